@@ -1,0 +1,160 @@
+# Copyright 2026 The aaren-hf authors. Apache-2.0.
+"""The Aaren scan in plain PyTorch: the path that runs everywhere (CPU, any GPU, no Triton).
+
+This file is copied next to ``modeling_aaren.py`` when a checkpoint is saved, so it must stay self-contained.
+
+Op, shared by every implementation (here and in ``aaren_hf.kernels``)::
+
+    o, final_state = op(s, v, g=None, initial_state=None, output_final_state=False, cu_seqlens=None)
+
+    s  [B, T, H]      scores <q_h, k_t> * scale; -inf marks a token that must not count (padding)
+    v  [B, T, H, D]   values
+    g  [B, T, H]      log-decay <= 0, applied to the carried state before token t is added (None: no decay)
+    state = (o [B, H, D], lse [B, H]), float32: the running softmax-weighted mean of the values and the
+            log of its normaliser. lse = -inf is the empty state (o = 0 there).
+    o  [B, T, H, D]   o_t = sum_{i<=t} exp(s_i + G_it) v_i / sum_{i<=t} exp(s_i + G_it), G_it = g_{i+1} + ... + g_t;
+                      0 while nothing has been seen.
+
+The state is kept in the normalised form (o, lse) rather than (m, w, u): o is a convex combination of values, so
+it never overflows, and every weight formed below is exp(x - max) <= 1.
+
+Maxima used only as stabilisers are detached: the results do not depend on them, and detaching keeps the
+gradient exactly the softmax gradient without routing anything through argmax.
+"""
+
+from typing import Optional, Tuple
+
+import torch
+
+State = Tuple[torch.Tensor, torch.Tensor]
+
+
+def empty_state(batch: int, heads: int, head_dim: int, device=None) -> State:
+    o = torch.zeros(batch, heads, head_dim, dtype=torch.float32, device=device)
+    lse = torch.full((batch, heads), float("-inf"), dtype=torch.float32, device=device)
+    return o, lse
+
+
+def merge_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor) -> State:
+    """Combine two disjoint sets of tokens given as (mean value, log normaliser). Empty sets have lse = -inf."""
+    m = torch.maximum(lse_a, lse_b).detach()
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # both empty: avoid -inf - -inf
+    w_a = torch.exp(lse_a - m)
+    w_b = torch.exp(lse_b - m)
+    w = w_a + w_b
+    nonempty = w > 0
+    w_safe = torch.where(nonempty, w, torch.ones_like(w))
+    o = (w_a.unsqueeze(-1) * o_a + w_b.unsqueeze(-1) * o_b) / w_safe.unsqueeze(-1)
+    lse = torch.where(nonempty, m + torch.log(w_safe), torch.full_like(w, float("-inf")))
+    return o, lse
+
+
+def aaren_step(state: State, s: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor] = None):
+    """One token: s [B, H], v [B, H, D], g [B, H] or None. Returns (o_t [B, H, D] float32, new state)."""
+    o, lse = state
+    acc = torch.float64 if v.dtype == torch.float64 else torch.float32
+    if g is not None:
+        lse = lse + g.to(acc)
+    o, lse = merge_states(o.to(acc), lse.to(acc), v.to(acc), s.to(acc))
+    return o, (o, lse)
+
+
+def recurrent_aaren_torch(
+    s: torch.Tensor,
+    v: torch.Tensor,
+    g: Optional[torch.Tensor] = None,
+    initial_state: Optional[State] = None,
+    output_final_state: bool = False,
+    cu_seqlens: Optional[torch.LongTensor] = None,
+):
+    """Token by token: the decode path (T is usually 1) and a readable reference."""
+    if cu_seqlens is not None:
+        return _over_sequences(recurrent_aaren_torch, s, v, g, initial_state, output_final_state, cu_seqlens)
+    B, T, H, D = v.shape
+    state = initial_state if initial_state is not None else empty_state(B, H, D, v.device)
+    outs = []
+    for t in range(T):
+        o_t, state = aaren_step(state, s[:, t], v[:, t], None if g is None else g[:, t])
+        outs.append(o_t)
+    o = torch.stack(outs, dim=1) if outs else v.new_zeros(B, 0, H, D, dtype=torch.float32)
+    return o.to(v.dtype), (state if output_final_state else None)
+
+
+def chunk_aaren_torch(
+    s: torch.Tensor,
+    v: torch.Tensor,
+    g: Optional[torch.Tensor] = None,
+    initial_state: Optional[State] = None,
+    output_final_state: bool = False,
+    cu_seqlens: Optional[torch.LongTensor] = None,
+    chunk_size: int = 64,
+):
+    """Chunked parallel form: C x C weights inside each chunk (all chunks at once), state carried across chunks.
+
+    Memory is O(B * T * H * C), never T x T.
+    """
+    if cu_seqlens is not None:
+        return _over_sequences(chunk_aaren_torch, s, v, g, initial_state, output_final_state, cu_seqlens, chunk_size)
+    B, T, H, D = v.shape
+    C = chunk_size
+    N = max(1, -(-T // C))
+    pad = N * C - T
+    acc = torch.float64 if v.dtype == torch.float64 else torch.float32  # float64 only for reference checks
+    s32 = s.to(acc).transpose(1, 2)  # [B, H, T]
+    v32 = v.to(acc).transpose(1, 2)  # [B, H, T, D]
+    g32 = torch.zeros_like(s32) if g is None else g.to(acc).transpose(1, 2)
+    if pad:
+        s32 = torch.nn.functional.pad(s32, (0, pad), value=float("-inf"))
+        v32 = torch.nn.functional.pad(v32, (0, 0, 0, pad))
+        g32 = torch.nn.functional.pad(g32, (0, pad))
+    s32 = s32.reshape(B, H, N, C)
+    v32 = v32.reshape(B, H, N, C, D)
+    b = torch.cumsum(g32.reshape(B, H, N, C), dim=-1)  # decay accumulated inside each chunk only
+
+    # Weight of token i seen from t (i <= t, same chunk): s_i + b_t - b_i. Built pairwise so that large decays
+    # never get added to and subtracted from a score (that would cost fp32 precision).
+    logits = s32.unsqueeze(-2) + (b.unsqueeze(-1) - b.unsqueeze(-2))  # [B, H, N, C(t), C(i)]
+    causal = torch.ones(C, C, dtype=torch.bool, device=v.device).tril()
+    logits = logits.masked_fill(~causal, float("-inf"))
+    m = logits.amax(dim=-1, keepdim=True).detach()
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    a = torch.exp(logits - m)  # entries <= 1
+    w = a.sum(-1)
+    nonempty = w > 0
+    w_safe = torch.where(nonempty, w, torch.ones_like(w))
+    o_loc = (a @ v32) / w_safe.unsqueeze(-1)
+    lse_loc = torch.where(nonempty, m.squeeze(-1) + torch.log(w_safe), torch.full_like(w, float("-inf")))
+
+    # Carry the state across chunks: N small sequential steps.
+    o_in, lse_in = initial_state if initial_state is not None else empty_state(B, H, D, v.device)
+    o_in, lse_in = o_in.to(acc), lse_in.to(acc)
+    carried_o, carried_lse = [], []
+    for n in range(N):
+        carried_o.append(o_in)
+        carried_lse.append(lse_in)
+        o_in, lse_in = merge_states(o_in, lse_in + b[:, :, n, -1], o_loc[:, :, n, -1], lse_loc[:, :, n, -1])
+    final = (o_in, lse_in)
+    co = torch.stack(carried_o, dim=2).unsqueeze(3)  # [B, H, N, 1, D]
+    clse = torch.stack(carried_lse, dim=2).unsqueeze(3) + b  # carried state decayed up to each t
+    o, _ = merge_states(o_loc, lse_loc, co.expand_as(o_loc), clse)
+    o = o.reshape(B, H, N * C, D)[:, :, :T].transpose(1, 2)
+    return o.to(v.dtype), (final if output_final_state else None)
+
+
+def _over_sequences(fn, s, v, g, initial_state, output_final_state, cu_seqlens, *args):
+    """Packed variable-length batch (B == 1): run each sequence on its own, each from its own initial state."""
+    if s.shape[0] != 1:
+        raise ValueError(f"cu_seqlens needs a packed batch of size 1, got batch size {s.shape[0]}")
+    outs, finals_o, finals_lse = [], [], []
+    bounds = cu_seqlens.tolist()
+    for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        init = None if initial_state is None else (initial_state[0][i : i + 1], initial_state[1][i : i + 1])
+        o, final = fn(
+            s[:, start:end], v[:, start:end], None if g is None else g[:, start:end], init, True, None, *args
+        )
+        outs.append(o)
+        finals_o.append(final[0])
+        finals_lse.append(final[1])
+    o = torch.cat(outs, dim=1)
+    final = (torch.cat(finals_o), torch.cat(finals_lse)) if output_final_state else None
+    return o, final

@@ -1,0 +1,193 @@
+# Copyright 2026 The aaren-hf authors. Apache-2.0.
+"""Aaren model configuration. Self-contained: copied next to the weights when a checkpoint is saved."""
+
+from transformers import PreTrainedConfig
+
+DECAY_MODES = ("none", "fixed", "learned", "input")
+WINDOW_GATES = ("head", "input")
+NORM_TYPES = ("rmsnorm", "layernorm")
+MLP_TYPES = ("gated", "plain")
+POSITION_EMBEDDINGS = ("none", "learned")
+# Bumped when a checkpoint's meaning changes; code refuses checkpoints from a newer format instead of misreading them.
+AAREN_FORMAT_VERSION = 1
+
+
+class AarenConfig(PreTrainedConfig):
+    r"""
+    Configuration of an Aaren causal LM. The usual Transformers names hold the usual dimensions; the rest says how
+    each block is built (declarative, so converted Llama, GPT-2 and GPT-NeoX teachers share one model class).
+
+    Mixer (the part that replaces softmax attention). The defaults are the paper's form: one learned,
+    input-independent query per head, no decay, no window.
+        num_query_slots (`int`, 1): learned queries per head; >1 mixes the slot outputs with weights
+            softmax_j(<q_proj(x)_h, c_hj>), which needs `q_proj`.
+        decay (`str`, "none"): "none" | "fixed" (per head and slot, not trained) | "learned" (per head and slot) |
+            "input" (learned rate times softplus of a projection of the input).
+        decay_init (`float`, 0.01): initial decay rate lambda (log-decay g = -lambda per token) when decay is on.
+        window_size (`int`, 0): W > 0 adds exact softmax attention over the last W tokens (rotary positions inside
+            the window), mixed with the Aaren output by a learned gate per head.
+        num_sink_tokens (`int`, 0): S first tokens that stay visible to the window branch (StreamingLLM sinks).
+        window_gate (`str`, "head"): "head" (one learned gate per head) or "input" (gate computed from the input).
+        window_gate_init (`float`, 0.0): initial gate logit; sigmoid(logit) is the window branch's share.
+        chunk_size (`int`, 64): chunk length of the parallel scan.
+
+    Block:
+        norm_type: "rmsnorm" (Llama) | "layernorm" (GPT-2, GPT-NeoX). Epsilon: `rms_norm_eps` / `layer_norm_eps`.
+        mlp_type: "gated" (act(gate) * up, Llama) | "plain" (fc_in -> act -> fc_out, GPT-2, GPT-NeoX).
+        attention_bias: biases on q/k/v; attention_out_bias: bias on o_proj; mlp_bias: biases in the MLP.
+        qk_norm: RMSNorm on each head's query and key (Qwen3).
+        parallel_residual: x + mixer(norm1(x)) + mlp(norm2(x)) (GPT-NeoX) instead of the sequential form.
+        position_embedding_type: "none" | "learned" (absolute table of `max_position_embeddings`, GPT-2); inputs
+            longer than the table are an error.
+        rope_theta, partial_rotary_factor: rotary embedding of the window branch (factor 0: none, as for GPT-2 whose
+            positions live in the learned table).
+    """
+
+    model_type = "aaren"
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    def __init__(
+        self,
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=1376,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=None,
+        head_dim=None,
+        hidden_act="silu",
+        norm_type="rmsnorm",
+        rms_norm_eps=1e-6,
+        layer_norm_eps=1e-5,
+        mlp_type="gated",
+        attention_bias=False,
+        attention_out_bias=None,
+        mlp_bias=False,
+        qk_norm=False,
+        parallel_residual=False,
+        position_embedding_type="none",
+        max_position_embeddings=8192,
+        rope_theta=10000.0,
+        partial_rotary_factor=1.0,
+        num_query_slots=1,
+        decay="none",
+        decay_init=0.01,
+        window_size=0,
+        num_sink_tokens=0,
+        window_gate="head",
+        window_gate_init=0.0,
+        chunk_size=64,
+        initializer_range=0.02,
+        use_cache=True,
+        aaren_format_version=AAREN_FORMAT_VERSION,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        **kwargs,
+    ):
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_attention_heads if num_key_value_heads is None else num_key_value_heads
+        self.head_dim = head_dim
+        if head_dim is None and isinstance(hidden_size, int) and isinstance(num_attention_heads, int):
+            if num_attention_heads > 0 and hidden_size % num_attention_heads == 0:
+                self.head_dim = hidden_size // num_attention_heads
+        self.hidden_act = hidden_act
+        self.norm_type = norm_type
+        self.rms_norm_eps = rms_norm_eps
+        self.layer_norm_eps = layer_norm_eps
+        self.mlp_type = mlp_type
+        self.attention_bias = attention_bias
+        self.attention_out_bias = attention_bias if attention_out_bias is None else attention_out_bias
+        self.mlp_bias = mlp_bias
+        self.qk_norm = qk_norm
+        self.parallel_residual = parallel_residual
+        self.position_embedding_type = position_embedding_type
+        self.max_position_embeddings = max_position_embeddings
+        self.rope_theta = rope_theta
+        self.partial_rotary_factor = partial_rotary_factor
+        self.num_query_slots = num_query_slots
+        self.decay = decay
+        self.decay_init = decay_init
+        self.window_size = window_size
+        self.num_sink_tokens = num_sink_tokens
+        self.window_gate = window_gate
+        self.window_gate_init = window_gate_init
+        self.chunk_size = chunk_size
+        self.initializer_range = initializer_range
+        self.use_cache = use_cache
+        if not isinstance(aaren_format_version, int) or aaren_format_version > AAREN_FORMAT_VERSION:
+            raise ValueError(
+                f"This checkpoint was written by a newer aaren-hf (checkpoint format {aaren_format_version!r}; this code "
+                f"reads format <= {AAREN_FORMAT_VERSION}). Upgrade with `pip install -U aaren-hf`, or load it with "
+                "trust_remote_code=True and without importing aaren_hf, so that the checkpoint's own code is used."
+            )
+        self.aaren_format_version = aaren_format_version
+        self._validate()
+        super().__init__(
+            tie_word_embeddings=tie_word_embeddings,
+            bos_token_id=bos_token_id,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+            **kwargs,
+        )
+
+    def _validate(self):
+        def positive(name, allow_zero=False):
+            value = getattr(self, name)
+            ok = isinstance(value, int) and not isinstance(value, bool) and (value >= 0 if allow_zero else value > 0)
+            if not ok:
+                bound = ">= 0" if allow_zero else "> 0"
+                raise ValueError(f"AarenConfig.{name} must be an integer {bound}, got {value!r}")
+
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "num_query_slots", "chunk_size", "max_position_embeddings"):
+            positive(name)
+        for name in ("window_size", "num_sink_tokens"):
+            positive(name, allow_zero=True)
+        if self.head_dim is None:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) is not divisible by num_attention_heads "
+                f"({self.num_attention_heads}); set head_dim explicitly or change one of them"
+            )
+        positive("head_dim")
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads "
+                f"({self.num_key_value_heads}): each key/value head serves a whole group of query heads"
+            )
+        choices = {
+            "decay": DECAY_MODES,
+            "window_gate": WINDOW_GATES,
+            "norm_type": NORM_TYPES,
+            "mlp_type": MLP_TYPES,
+            "position_embedding_type": POSITION_EMBEDDINGS,
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"AarenConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.num_sink_tokens > 0 and self.window_size == 0:
+            raise ValueError("num_sink_tokens > 0 needs the window branch: set window_size > 0 as well")
+        if not (self.decay_init > 0):
+            raise ValueError(f"AarenConfig.decay_init must be > 0 (a decay rate per token), got {self.decay_init!r}")
+        if not (0.0 <= self.partial_rotary_factor <= 1.0):
+            raise ValueError(f"partial_rotary_factor must be in [0, 1] (0: no rotary), got {self.partial_rotary_factor!r}")
+        rotary_dim = int(self.head_dim * self.partial_rotary_factor)
+        if self.window_size > 0 and rotary_dim % 2 != 0:
+            raise ValueError(f"the rotary part of each head (head_dim * partial_rotary_factor = {rotary_dim}) must be even")
+
+    @property
+    def uses_query_projection(self) -> bool:
+        """q_proj exists when slots are mixed by the input or the window branch needs per-token queries."""
+        return self.num_query_slots > 1 or self.window_size > 0
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+
+__all__ = ["AarenConfig"]

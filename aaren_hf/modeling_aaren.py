@@ -1,0 +1,634 @@
+# Copyright 2026 The aaren-hf authors. Apache-2.0.
+"""Aaren causal language model ("Attention as an RNN", Feng et al. 2024) for Hugging Face Transformers.
+
+Read top to bottom: cache, building blocks, the Aaren mixer (the part that replaces softmax attention), the decoder
+layer, the model, the LM head. Self-contained: this file, ``configuration_aaren.py`` and ``aaren_scan.py`` are
+copied next to the weights when a checkpoint is saved, so ``trust_remote_code=True`` loads it without this package.
+
+Each mixer keeps a fixed-size state: per head and query slot a float32 (mean value, log normaliser) pair, plus, when
+the window branch is on, the keys and values of the last ``window_size`` tokens and of ``num_sink_tokens`` sinks.
+Nothing grows with the context.
+"""
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
+from .aaren_scan import chunk_aaren_torch, empty_state, recurrent_aaren_torch
+from .configuration_aaren import AarenConfig
+
+try:  # Triton kernels on CUDA, when this package is installed; the PyTorch ops above serve everywhere else.
+    from aaren_hf.kernels import chunk_aaren, fused_recurrent_aaren
+except ImportError:
+    chunk_aaren, fused_recurrent_aaren = chunk_aaren_torch, recurrent_aaren_torch
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Cache: fixed-size state per layer
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class AarenLayerState:
+    """One layer's state. Aaren part in float32; window keys/values in the model dtype, like a KV cache.
+
+    Tensors are None until the first forward fills them, so a cache made before the batch is known (as
+    ``generate`` does) needs no sizes.
+    """
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.aaren_o = None  # [B, H*J, D] float32
+        self.aaren_lse = None  # [B, H*J] float32, -inf when empty
+        self.window_k = None  # [B, <=W, Hkv, D] rotated keys of the last W tokens (padding included, flagged by pos)
+        self.window_v = None
+        self.window_pos = None  # [B, <=W] position of each entry, -1 for padding
+        self.sink_k = None  # [B, S, Hkv, D] keys of the first S real tokens, rotated at their own position
+        self.sink_v = None
+        self.sink_pos = None  # [B, S], -1 while the slot is unfilled
+
+    def tensors(self):
+        names = ("aaren_o", "aaren_lse", "window_k", "window_v", "window_pos", "sink_k", "sink_v", "sink_pos")
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+
+    def _apply(self, fn):
+        for name, tensor in self.tensors().items():
+            setattr(self, name, fn(tensor))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor):
+        self._apply(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int):
+        self._apply(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor):
+        self._apply(lambda t: t[indices])
+
+    def crop(self, max_length: int):
+        raise NotImplementedError("An Aaren state summarises the whole past and cannot be rolled back (crop).")
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def get_seq_length(self) -> int:
+        raise NotImplementedError("ask the AarenCache, which counts positions for all layers")
+
+
+class AarenCache(Cache):
+    """Recurrent cache for ``AarenForCausalLM``: replaces ``past_key_values`` and never grows with the context.
+
+    ``get_seq_length()`` counts positions consumed (padding included), which ``generate`` uses to slice inputs when a
+    user continues from a returned cache. ``real_tokens`` counts non-padding tokens per row: the next position.
+    """
+
+    is_compileable = False
+
+    def __init__(self, config=None, num_layers: Optional[int] = None):
+        if num_layers is None:
+            num_layers = config.num_hidden_layers
+        super().__init__(layers=[AarenLayerState() for _ in range(num_layers)])
+        self.seen_tokens = 0
+        self.real_tokens = None  # [B] int64
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seen_tokens
+
+    def get_max_length(self, layer_idx: Optional[int] = None) -> int:
+        return -1
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return -1
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0):
+        return self.seen_tokens + query_length, 0
+
+    @property
+    def is_sliding(self):
+        return [False] * len(self.layers)
+
+    def has_previous_state(self, layer_idx: Optional[int] = None, state_idx: Optional[int] = None) -> bool:
+        return self.seen_tokens > 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor):
+        for layer in self.layers:
+            layer.reorder_cache(beam_idx)
+        if self.real_tokens is not None:
+            self.real_tokens = self.real_tokens.index_select(0, beam_idx.to(self.real_tokens.device))
+
+    def batch_repeat_interleave(self, repeats: int):
+        for layer in self.layers:
+            layer.batch_repeat_interleave(repeats)
+        if self.real_tokens is not None:
+            self.real_tokens = self.real_tokens.repeat_interleave(repeats, dim=0)
+
+    def batch_select_indices(self, indices: torch.Tensor):
+        for layer in self.layers:
+            layer.batch_select_indices(indices)
+        if self.real_tokens is not None:
+            self.real_tokens = self.real_tokens[indices]
+
+    def reset(self):
+        for layer in self.layers:
+            layer.reset()
+        self.seen_tokens = 0
+        self.real_tokens = None
+
+    def crop(self, max_length: int):
+        raise NotImplementedError(
+            "An Aaren state summarises the whole past and cannot be rolled back, so decoding modes that crop the "
+            "cache (assisted decoding, prompt lookup) are not supported."
+        )
+
+    def state_bytes(self) -> int:
+        """Bytes held by the cache now: constant in the context once the window (if any) is full."""
+        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.tensors().values())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Building blocks
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class AarenRMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        dtype = hidden_states.dtype
+        x = hidden_states.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * x.to(dtype)
+
+
+def make_norm(config, size):
+    if config.norm_type == "rmsnorm":
+        return AarenRMSNorm(size, eps=config.rms_norm_eps)
+    return nn.LayerNorm(size, eps=config.layer_norm_eps)
+
+
+class AarenMLP(nn.Module):
+    """Gated (Llama: down(act(gate(x)) * up(x))) or plain (GPT-2/NeoX: fc_out(act(fc_in(x))))."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.gated = config.mlp_type == "gated"
+        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        if self.gated:
+            self.gate_proj = nn.Linear(h, i, bias=bias)
+            self.up_proj = nn.Linear(h, i, bias=bias)
+            self.down_proj = nn.Linear(i, h, bias=bias)
+        else:
+            self.fc_in = nn.Linear(h, i, bias=bias)
+            self.fc_out = nn.Linear(i, h, bias=bias)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x):
+        if self.gated:
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        return self.fc_out(self.act_fn(self.fc_in(x)))
+
+
+def rotate(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding (rotate-half convention) on the first 2 * len(inv_freq) channels. x [B, T, h, D], pos [B, T]."""
+    rot = 2 * inv_freq.shape[0]
+    if rot == 0:
+        return x
+    angles = pos.float().unsqueeze(-1) * inv_freq.float()  # [B, T, rot/2]
+    cos = torch.cat([angles.cos(), angles.cos()], -1).unsqueeze(2)
+    sin = torch.cat([angles.sin(), angles.sin()], -1).unsqueeze(2)
+    xr, xp = x[..., :rot].float(), x[..., rot:]
+    x1, x2 = xr[..., : rot // 2], xr[..., rot // 2 :]
+    rotated = xr * cos + torch.cat([-x2, x1], -1) * sin
+    return torch.cat([rotated.to(x.dtype), xp], -1)
+
+
+def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sink_pos, window, inv_freq, scale):
+    """Exact softmax attention of each token over the last ``window`` tokens, plus sink tokens outside the window.
+
+    q [B, T, H, D] (not rotated); k, v [B, T, Hkv, D] (k rotated at pos); pos [B, T] (-1: padding);
+    k_prev, v_prev, pos_prev: up to ``window`` earlier entries (may be empty); sink_*: [B, S, ...] with keys rotated
+    at their own position (S may be 0). A sink is seen at distance min(pos, S + W - 1) - i, as in a StreamingLLM
+    cache whose sinks sit just before the window, so distances stay within what the window has seen. Sinks still
+    inside the window are not counted twice.
+
+    Queries go in blocks of Q = min(window, T); each block sees window - 1 + Q keys: O(T * window) memory, never
+    T x T, and a decode step (T = 1) costs O(window).
+    Returns [B, T, H, D]; a token that sees no valid key (padding) gets 0.
+    """
+    B, T, H, D = q.shape
+    Hkv = k.shape[2]
+    G, W, S = H // Hkv, window, sink_k.shape[1]
+    k_all = torch.cat([k_prev.to(k.dtype), k], 1)
+    v_all = torch.cat([v_prev.to(v.dtype), v], 1)
+    pos_all = torch.cat([pos_prev, pos], 1)
+    # Re-index keys so that query block n sees keys [n * Q, n * Q + W - 1 + Q): pad or drop on the left.
+    shift = (W - 1) - k_prev.shape[1]
+    if shift >= 0:
+        k_all = F.pad(k_all, (0, 0, 0, 0, shift, 0))
+        v_all = F.pad(v_all, (0, 0, 0, 0, shift, 0))
+        pos_all = F.pad(pos_all, (shift, 0), value=-1)
+    else:
+        k_all, v_all, pos_all = k_all[:, -shift:], v_all[:, -shift:], pos_all[:, -shift:]
+    Q = min(W, T)
+    nblk = -(-T // Q)
+    Tp, L = nblk * Q, W - 1 + Q
+    right = Tp + W - 1 - k_all.shape[1]
+    k_all = F.pad(k_all, (0, 0, 0, 0, 0, right))
+    v_all = F.pad(v_all, (0, 0, 0, 0, 0, right))
+    pos_all = F.pad(pos_all, (0, right), value=-1)
+    kb = k_all.unfold(1, L, Q).float()  # [B, n, Hkv, D, L]
+    vb = v_all.unfold(1, L, Q).float()
+    pb = pos_all.unfold(1, L, Q)  # [B, n, L]
+    qpos = F.pad(pos, (0, Tp - T), value=-1)
+    qp = F.pad(q, (0, 0, 0, 0, 0, Tp - T))
+    qw = rotate(qp, qpos.clamp(min=0), inv_freq).float().view(B, nblk, Q, Hkv, G, D)
+    qpos = qpos.view(B, nblk, Q)
+
+    scores = torch.einsum("bnrkgd,bnkdc->bnkgrc", qw, kb) * scale  # [B, n, Hkv, G, Q, L]
+    r = torch.arange(Q, device=q.device).view(Q, 1)
+    c = torch.arange(L, device=q.device).view(1, L)
+    band = (c >= r) & (c <= r + W - 1)
+    valid = band & (pb.unsqueeze(2) >= 0) & (qpos.unsqueeze(-1) >= 0)  # [B, n, Q, L]
+    parts_scores, parts_valid = [scores], [valid]
+    if S > 0:
+        qs_pos = qpos.reshape(B, Tp).clamp(min=0, max=S + W - 1)
+        qs = rotate(qp, qs_pos, inv_freq).float().view(B, nblk, Q, Hkv, G, D)
+        parts_scores.append(torch.einsum("bnrkgd,bskd->bnkgrs", qs, sink_k.float()) * scale)
+        sp = sink_pos.view(B, 1, 1, S)
+        parts_valid.append((sp >= 0) & (sp <= qpos.unsqueeze(-1) - W) & (qpos.unsqueeze(-1) >= 0))
+    scores = torch.cat(parts_scores, -1)
+    valid = torch.cat(parts_valid, -1)[:, :, None, None]
+    scores = scores.masked_fill(~valid, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, -1) * valid.any(-1, keepdim=True)
+    out = torch.einsum("bnkgrc,bnkdc->bnrkgd", probs[..., :L], vb)
+    if S > 0:
+        out = out + torch.einsum("bnkgrs,bskd->bnrkgd", probs[..., L:], sink_v.float())
+    return out.reshape(B, Tp, H, D)[:, :T].to(q.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The Aaren mixer
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class AarenMixer(nn.Module):
+    """Replaces softmax attention. Per head h and slot j a learned query c_hj scores every key; the Aaren scan turns
+    the scores into a running softmax-weighted mean of the values (paper form: one slot, no decay, no window).
+
+    Options (config): query slots mixed by softmax_j(<q_proj(x)_h, c_hj>); per-token log-decay on the state;
+    a sliding-window softmax branch with sinks, gated per head. Keys and values keep the teacher's grouping (GQA).
+    """
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.num_slots = config.num_query_slots
+        self.decay = config.decay
+        self.window = config.window_size
+        self.num_sinks = config.num_sink_tokens
+        self.chunk_size = config.chunk_size
+        self.scale = self.head_dim**-0.5
+        H, Hkv, D, J, E = self.num_heads, self.num_kv_heads, self.head_dim, self.num_slots, config.hidden_size
+
+        if config.uses_query_projection:
+            self.q_proj = nn.Linear(E, H * D, bias=config.attention_bias)
+        self.k_proj = nn.Linear(E, Hkv * D, bias=config.attention_bias)
+        self.v_proj = nn.Linear(E, Hkv * D, bias=config.attention_bias)
+        self.o_proj = nn.Linear(H * D, E, bias=config.attention_out_bias)
+        if config.qk_norm:
+            self.q_norm = AarenRMSNorm(D, eps=config.rms_norm_eps)
+            self.k_norm = AarenRMSNorm(D, eps=config.rms_norm_eps)
+        self.queries = nn.Parameter(torch.zeros(H, J, D))
+        if self.decay != "none":
+            # decay rate per head and slot: g = -exp(log_decay) per token (times an input factor in "input" mode)
+            self.log_decay = nn.Parameter(torch.zeros(H, J), requires_grad=self.decay != "fixed")
+        if self.decay == "input":
+            self.decay_proj = nn.Linear(E, H * J, bias=True)
+        if self.window > 0:
+            if config.window_gate == "head":
+                self.window_gate = nn.Parameter(torch.zeros(H))
+            else:
+                self.gate_proj = nn.Linear(E, H, bias=True)
+            self.register_buffer("rope_inv_freq", torch.zeros(config.rotary_dim // 2), persistent=True)
+
+    def default_inv_freq(self, config):
+        rot = config.rotary_dim
+        return 1.0 / (config.rope_theta ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot))
+
+    def log_decay_per_token(self, x):
+        """g [B, T, H*J] <= 0."""
+        rate = self.log_decay.float().exp().reshape(-1)
+        if self.decay == "input":
+            # softplus(0) / log 2 = 1: at initialisation (zero projection) the rate is exactly exp(log_decay)
+            return -rate * F.softplus(self.decay_proj(x).float()) / math.log(2.0)
+        return (-rate).expand(*x.shape[:2], -1)
+
+    def forward(self, x, mask, pos, state: Optional[AarenLayerState] = None):
+        """x [B, T, E]; mask [B, T] bool (False: padding); pos [B, T] positions (-1 for padding).
+
+        With ``state`` the layer continues from it and leaves the updated state there.
+        """
+        B, T, _ = x.shape
+        H, Hkv, D, J = self.num_heads, self.num_kv_heads, self.head_dim, self.num_slots
+        G = H // Hkv
+        k = self.k_proj(x).view(B, T, Hkv, D)
+        v = self.v_proj(x).view(B, T, Hkv, D)
+        q = self.q_proj(x).view(B, T, H, D) if hasattr(self, "q_proj") else None
+        if hasattr(self, "k_norm"):
+            k = self.k_norm(k)
+            q = self.q_norm(q) if q is not None else None
+
+        # Aaren branch: op heads are (kv head, query head in group, slot), so query head h uses kv head h // G.
+        c = self.queries.view(Hkv, G * J, D)
+        s = torch.einsum("btkd,kjd->btkj", k.float(), c.float()).reshape(B, T, H * J) * self.scale
+        s = s.masked_fill(~mask.unsqueeze(-1), float("-inf"))
+        vv = v.unsqueeze(3).expand(B, T, Hkv, G * J, D).reshape(B, T, H * J, D)
+        g = None
+        if self.decay != "none":
+            g = self.log_decay_per_token(x).masked_fill(~mask.unsqueeze(-1), 0.0)
+        init = None
+        if state is not None and state.aaren_o is not None:
+            init = (state.aaren_o, state.aaren_lse)
+        if T == 1 and state is not None:
+            o, final = fused_recurrent_aaren(s, vv, g, init, True)
+        else:
+            o, final = chunk_aaren(s, vv, g, init, state is not None, chunk_size=self.chunk_size)
+        if state is not None:
+            state.aaren_o, state.aaren_lse = final
+        o = o.view(B, T, H, J, D)
+        if J > 1:
+            mix = torch.einsum("bthd,hjd->bthj", q.float(), self.queries.float()) * self.scale
+            o = (torch.softmax(mix, -1).unsqueeze(-1) * o.float()).sum(3)
+        else:
+            o = o.squeeze(3)
+
+        if self.window > 0:
+            o_win = self.window_branch(q, k, v, pos, state)
+            gate = self.window_gate if hasattr(self, "window_gate") else self.gate_proj(x)
+            gate = torch.sigmoid(gate.float()).unsqueeze(-1)
+            o = gate * o_win.float() + (1 - gate) * o.float()
+        return self.o_proj(o.to(x.dtype).reshape(B, T, H * D))
+
+    def window_branch(self, q, k, v, pos, state):
+        B, T, Hkv, D = k.shape
+        k = rotate(k, pos.clamp(min=0), self.rope_inv_freq)
+        S = self.num_sinks
+        if state is not None and state.window_k is not None:
+            k_prev, v_prev, pos_prev = state.window_k, state.window_v, state.window_pos
+            sink_k, sink_v, sink_pos = state.sink_k, state.sink_v, state.sink_pos
+        else:
+            k_prev = k.new_zeros(B, 0, Hkv, D)
+            v_prev = v.new_zeros(B, 0, Hkv, D)
+            pos_prev = pos.new_zeros(B, 0)
+            sink_k, sink_v = k.new_zeros(B, S, Hkv, D), v.new_zeros(B, S, Hkv, D)
+            sink_pos = pos.new_full((B, S), -1)
+        if S > 0:
+            # the first S real tokens become sinks; keys were rotated at their own position (= slot index)
+            b_idx, t_idx = ((pos >= 0) & (pos < S)).nonzero(as_tuple=True)
+            slot = pos[b_idx, t_idx]
+            sink_k = sink_k.index_put((b_idx, slot), k[b_idx, t_idx].to(sink_k.dtype))
+            sink_v = sink_v.index_put((b_idx, slot), v[b_idx, t_idx].to(sink_v.dtype))
+            sink_pos = sink_pos.index_put((b_idx, slot), slot)
+        out = window_attention(
+            q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sink_pos, self.window, self.rope_inv_freq,
+            self.scale,
+        )
+        if state is not None:
+            keep = self.window
+            state.window_k = torch.cat([k_prev, k.to(k_prev.dtype)], 1)[:, -keep:].detach()
+            state.window_v = torch.cat([v_prev, v.to(v_prev.dtype)], 1)[:, -keep:].detach()
+            state.window_pos = torch.cat([pos_prev, pos], 1)[:, -keep:]
+            state.sink_k, state.sink_v, state.sink_pos = sink_k.detach(), sink_v.detach(), sink_pos
+        return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Decoder layer and model
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class AarenDecoderLayer(GradientCheckpointingLayer):
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.parallel_residual = config.parallel_residual
+        self.input_layernorm = make_norm(config, config.hidden_size)
+        self.mixer = AarenMixer(config, layer_idx)
+        self.post_attention_layernorm = make_norm(config, config.hidden_size)
+        self.mlp = AarenMLP(config)
+
+    def forward(self, hidden_states, mask, pos, state=None):
+        mixed = self.mixer(self.input_layernorm(hidden_states), mask, pos, state)
+        if self.parallel_residual:
+            return hidden_states + mixed + self.mlp(self.post_attention_layernorm(hidden_states))
+        hidden_states = hidden_states + mixed
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class AarenPreTrainedModel(PreTrainedModel):
+    config_class = AarenConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["AarenDecoderLayer"]
+    _is_stateful = True  # assisted decoding / prompt lookup need a cache that can be cropped: fail early
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        # save_pretrained writes auto_map only for the class being saved; users also load with AutoModel.
+        self.config.auto_map = {
+            **(getattr(self.config, "auto_map", None) or {}),
+            "AutoConfig": "configuration_aaren.AarenConfig",
+            "AutoModel": "modeling_aaren.AarenModel",
+            "AutoModelForCausalLM": "modeling_aaren.AarenForCausalLM",
+        }
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        config = self.config
+        if isinstance(module, AarenMixer):
+            init.normal_(module.queries, mean=0.0, std=1.0)
+            if hasattr(module, "log_decay"):
+                init.constant_(module.log_decay, math.log(config.decay_init))
+            if hasattr(module, "decay_proj"):
+                init.zeros_(module.decay_proj.weight)
+                init.zeros_(module.decay_proj.bias)
+            if hasattr(module, "window_gate"):
+                init.constant_(module.window_gate, config.window_gate_init)
+            if hasattr(module, "gate_proj"):
+                init.zeros_(module.gate_proj.weight)
+                init.constant_(module.gate_proj.bias, config.window_gate_init)
+            if hasattr(module, "rope_inv_freq"):
+                init.copy_(module.rope_inv_freq, module.default_inv_freq(config))
+        elif isinstance(module, AarenRMSNorm):
+            init.ones_(module.weight)
+
+
+class AarenModel(AarenPreTrainedModel):
+    def __init__(self, config: AarenConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        if config.position_embedding_type == "learned":
+            self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.layers = nn.ModuleList([AarenDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = make_norm(config, config.hidden_size)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    def forward(
+        self,
+        input_ids: Optional[torch.LongTensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        past_key_values: Optional[AarenCache] = None,
+        inputs_embeds: Optional[torch.FloatTensor] = None,
+        use_cache: Optional[bool] = None,
+        output_hidden_states: Optional[bool] = None,
+        return_dict: Optional[bool] = None,
+        **kwargs,
+    ):
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        B, T = inputs_embeds.shape[:2]
+        use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
+        if use_cache and past_key_values is None:
+            past_key_values = AarenCache(self.config)
+        if past_key_values is not None and not isinstance(past_key_values, AarenCache):
+            raise TypeError(
+                f"past_key_values must be an AarenCache (the recurrent state), got {type(past_key_values).__name__}"
+            )
+        cache = past_key_values if use_cache else None
+
+        # generate() passes a mask over past + current positions; keep the current ones.
+        if attention_mask is None:
+            mask = torch.ones(B, T, dtype=torch.bool, device=inputs_embeds.device)
+        else:
+            if attention_mask.dim() != 2:
+                raise ValueError("attention_mask must be a 2D [batch, length] padding mask (1 = token, 0 = padding)")
+            mask = attention_mask[:, -T:].to(device=inputs_embeds.device, dtype=torch.bool)
+        start = torch.zeros(B, dtype=torch.long, device=mask.device)
+        if cache is not None and cache.real_tokens is not None:
+            start = cache.real_tokens.to(mask.device)
+        pos = start.unsqueeze(1) + mask.long().cumsum(1) - 1
+        pos = pos.masked_fill(~mask, -1)
+
+        hidden_states = inputs_embeds
+        if hasattr(self, "embed_positions"):
+            limit = self.config.max_position_embeddings
+            if int(pos.max()) >= limit:
+                raise ValueError(
+                    f"Input reaches position {int(pos.max())}, but this model's learned position table holds "
+                    f"{limit} positions (max_position_embeddings). Shorten the input or the generation length."
+                )
+            hidden_states = hidden_states + self.embed_positions(pos.clamp(min=0))
+
+        all_hidden = () if output_hidden_states else None
+        for i, layer in enumerate(self.layers):
+            if output_hidden_states:
+                all_hidden += (hidden_states,)
+            hidden_states = layer(hidden_states, mask, pos, None if cache is None else cache.layers[i])
+        hidden_states = self.norm(hidden_states)
+        if output_hidden_states:
+            all_hidden += (hidden_states,)
+        if cache is not None:
+            cache.seen_tokens += T
+            cache.real_tokens = start + mask.long().sum(1)
+        return BaseModelOutputWithPast(
+            last_hidden_state=hidden_states, past_key_values=cache, hidden_states=all_hidden
+        )
+
+
+class AarenForCausalLM(AarenPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: AarenConfig):
+        super().__init__(config)
+        self.model = AarenModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, new_embeddings):
+        self.lm_head = new_embeddings
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # a DynamicCache would grow with the context; forward makes an AarenCache instead
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        if model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False:
+            if generation_config.cache_implementation not in (None, "dynamic"):
+                raise ValueError(
+                    f"cache_implementation={generation_config.cache_implementation!r} does not apply to Aaren: its "
+                    "cache is a fixed-size recurrent state. Leave cache_implementation unset."
+                )
+            model_kwargs["past_key_values"] = AarenCache(self.config)
+        return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+
+    def forward(
+        self,
+        input_ids: Optional[torch.LongTensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        past_key_values: Optional[AarenCache] = None,
+        inputs_embeds: Optional[torch.FloatTensor] = None,
+        labels: Optional[torch.LongTensor] = None,
+        use_cache: Optional[bool] = None,
+        output_hidden_states: Optional[bool] = None,
+        return_dict: Optional[bool] = None,
+        logits_to_keep: int = 0,
+        **kwargs,
+    ):
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_hidden_states=output_hidden_states,
+        )
+        hidden_states = outputs.last_hidden_state
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden_states[:, keep, :])
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(
+            loss=loss, logits=logits, past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states
+        )
+
+
+__all__ = ["AarenCache", "AarenForCausalLM", "AarenModel", "AarenPreTrainedModel", "AarenMixer"]

@@ -1,0 +1,1 @@
+"""Convert a pretrained Transformer into an Aaren model."""

@@ -1,0 +1,1 @@
+"""Aaren scan ops: PyTorch references and Triton kernels behind one dispatch point."""
