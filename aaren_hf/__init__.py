@@ -6,6 +6,7 @@ Importing this package registers the model with AutoConfig, AutoModel and AutoMo
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .configuration_aaren import AarenConfig
+from .layers import AarenAttention
 from .modeling_aaren import AarenCache, AarenForCausalLM, AarenModel, AarenPreTrainedModel
 
 AutoConfig.register("aaren", AarenConfig, exist_ok=True)
@@ -18,4 +19,6 @@ AarenModel.register_for_auto_class("AutoModel")
 AarenForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 
 __version__ = "0.1.0"
-__all__ = ["AarenConfig", "AarenCache", "AarenModel", "AarenForCausalLM", "AarenPreTrainedModel", "__version__"]
+__all__ = [
+    "AarenAttention", "AarenConfig", "AarenCache", "AarenModel", "AarenForCausalLM", "AarenPreTrainedModel", "__version__"
+]

@@ -25,6 +25,7 @@ gradient exactly the softmax gradient without routing anything through argmax.
 from typing import Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 
 State = Tuple[torch.Tensor, torch.Tensor]
 
@@ -89,31 +90,40 @@ def chunk_aaren_torch(
     cu_seqlens: Optional[torch.LongTensor] = None,
     chunk_size: int = 64,
 ):
-    """Chunked parallel form: C x C weights inside each chunk (all chunks at once), state carried across chunks.
+    """Chunked parallel form: C x C weights inside each chunk (all chunks at once); the state entering each chunk
+    comes from the same scan run over the chunk summaries, so the number of operations grows with log_C(T), not T.
 
     Memory is O(B * T * H * C), never T x T.
     """
     if cu_seqlens is not None:
         return _over_sequences(chunk_aaren_torch, s, v, g, initial_state, output_final_state, cu_seqlens, chunk_size)
     B, T, H, D = v.shape
-    C = chunk_size
+    acc = torch.float64 if v.dtype == torch.float64 else torch.float32  # float64 only for reference checks
+    s_ = s.to(acc).transpose(1, 2)  # [B, H, T]
+    v_ = v.to(acc).transpose(1, 2)  # [B, H, T, D]
+    g_ = None if g is None else g.to(acc).transpose(1, 2)
+    o_init, lse_init = initial_state if initial_state is not None else empty_state(B, H, D, v.device)
+    o, lse = _scan(s_, v_, g_, o_init.to(acc), lse_init.to(acc), chunk_size)
+    final = (o[:, :, -1], lse[:, :, -1]) if T > 0 else (o_init.to(acc), lse_init.to(acc))
+    return o.transpose(1, 2).to(v.dtype), (final if output_final_state else None)
+
+
+def _scan(s, v, g, o_init, lse_init, C):
+    """Inclusive scan in [B, H, T] layout: returns (o, lse) after every token, both [B, H, T(, D)]."""
+    B, H, T, D = v.shape
     N = max(1, -(-T // C))
     pad = N * C - T
-    acc = torch.float64 if v.dtype == torch.float64 else torch.float32  # float64 only for reference checks
-    s32 = s.to(acc).transpose(1, 2)  # [B, H, T]
-    v32 = v.to(acc).transpose(1, 2)  # [B, H, T, D]
-    g32 = torch.zeros_like(s32) if g is None else g.to(acc).transpose(1, 2)
+    g = torch.zeros_like(s) if g is None else g
     if pad:
-        s32 = torch.nn.functional.pad(s32, (0, pad), value=float("-inf"))
-        v32 = torch.nn.functional.pad(v32, (0, 0, 0, pad))
-        g32 = torch.nn.functional.pad(g32, (0, pad))
-    s32 = s32.reshape(B, H, N, C)
-    v32 = v32.reshape(B, H, N, C, D)
-    b = torch.cumsum(g32.reshape(B, H, N, C), dim=-1)  # decay accumulated inside each chunk only
+        s = F.pad(s, (0, pad), value=float("-inf"))
+        v = F.pad(v, (0, 0, 0, pad))
+        g = F.pad(g, (0, pad))
+    s, v = s.reshape(B, H, N, C), v.reshape(B, H, N, C, D)
+    b = torch.cumsum(g.reshape(B, H, N, C), dim=-1)  # decay accumulated inside each chunk only
 
     # Weight of token i seen from t (i <= t, same chunk): s_i + b_t - b_i. Built pairwise so that large decays
     # never get added to and subtracted from a score (that would cost fp32 precision).
-    logits = s32.unsqueeze(-2) + (b.unsqueeze(-1) - b.unsqueeze(-2))  # [B, H, N, C(t), C(i)]
+    logits = s.unsqueeze(-2) + (b.unsqueeze(-1) - b.unsqueeze(-2))  # [B, H, N, C(t), C(i)]
     causal = torch.ones(C, C, dtype=torch.bool, device=v.device).tril()
     logits = logits.masked_fill(~causal, float("-inf"))
     m = logits.amax(dim=-1, keepdim=True).detach()
@@ -122,23 +132,19 @@ def chunk_aaren_torch(
     w = a.sum(-1)
     nonempty = w > 0
     w_safe = torch.where(nonempty, w, torch.ones_like(w))
-    o_loc = (a @ v32) / w_safe.unsqueeze(-1)
+    o_loc = (a @ v) / w_safe.unsqueeze(-1)
     lse_loc = torch.where(nonempty, m.squeeze(-1) + torch.log(w_safe), torch.full_like(w, float("-inf")))
 
-    # Carry the state across chunks: N small sequential steps.
-    o_in, lse_in = initial_state if initial_state is not None else empty_state(B, H, D, v.device)
-    o_in, lse_in = o_in.to(acc), lse_in.to(acc)
-    carried_o, carried_lse = [], []
-    for n in range(N):
-        carried_o.append(o_in)
-        carried_lse.append(lse_in)
-        o_in, lse_in = merge_states(o_in, lse_in + b[:, :, n, -1], o_loc[:, :, n, -1], lse_loc[:, :, n, -1])
-    final = (o_in, lse_in)
-    co = torch.stack(carried_o, dim=2).unsqueeze(3)  # [B, H, N, 1, D]
-    clse = torch.stack(carried_lse, dim=2).unsqueeze(3) + b  # carried state decayed up to each t
-    o, _ = merge_states(o_loc, lse_loc, co.expand_as(o_loc), clse)
-    o = o.reshape(B, H, N * C, D)[:, :, :T].transpose(1, 2)
-    return o.to(v.dtype), (final if output_final_state else None)
+    # State entering chunk n. Chunk summaries behave like tokens (score lse, value o) whose carried state decays by
+    # the chunk's total log-decay before they are added, so the carry is the same scan over N summaries.
+    if N == 1:
+        o_in, lse_in = o_init.unsqueeze(2), lse_init.unsqueeze(2)
+    else:
+        o_sum, lse_sum = _scan(lse_loc[..., -1], o_loc[..., -1, :], b[..., -1], o_init, lse_init, C)
+        o_in = torch.cat([o_init.unsqueeze(2), o_sum[:, :, :-1]], 2)
+        lse_in = torch.cat([lse_init.unsqueeze(2), lse_sum[:, :, :-1]], 2)
+    o, lse = merge_states(o_loc, lse_loc, o_in.unsqueeze(3).expand_as(o_loc), lse_in.unsqueeze(3) + b)
+    return o.reshape(B, H, N * C, D)[:, :, :T], lse.reshape(B, H, N * C)[:, :, :T]
 
 
 def _over_sequences(fn, s, v, g, initial_state, output_final_state, cu_seqlens, *args):

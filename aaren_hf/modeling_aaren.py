@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
@@ -54,7 +55,7 @@ class AarenLayerState:
     def reset(self):
         self.aaren_o = None  # [B, H*J, D] float32
         self.aaren_lse = None  # [B, H*J] float32, -inf when empty
-        self.window_k = None  # [B, <=W, Hkv, D] rotated keys of the last W tokens (padding included, flagged by pos)
+        self.window_k = None  # [B, <=W-1, Hkv, D] rotated keys of the last W-1 tokens (padding included, flagged by pos)
         self.window_v = None
         self.window_pos = None  # [B, <=W] position of each entry, -1 for padding
         self.sink_k = None  # [B, S, Hkv, D] keys of the first S real tokens, rotated at their own position
@@ -222,7 +223,7 @@ def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sin
     """Exact softmax attention of each token over the last ``window`` tokens, plus sink tokens outside the window.
 
     q [B, T, H, D] (not rotated); k, v [B, T, Hkv, D] (k rotated at pos); pos [B, T] (-1: padding);
-    k_prev, v_prev, pos_prev: up to ``window`` earlier entries (may be empty); sink_*: [B, S, ...] with keys rotated
+    k_prev, v_prev, pos_prev: up to ``window - 1`` earlier entries (may be empty); sink_*: [B, S, ...] with keys rotated
     at their own position (S may be 0). A sink is seen at distance min(pos, S + W - 1) - i, as in a StreamingLLM
     cache whose sinks sit just before the window, so distances stay within what the window has seen. Sinks still
     inside the window are not counted twice.
@@ -413,10 +414,11 @@ class AarenMixer(nn.Module):
             self.scale,
         )
         if state is not None:
-            keep = self.window
-            state.window_k = torch.cat([k_prev, k.to(k_prev.dtype)], 1)[:, -keep:].detach()
-            state.window_v = torch.cat([v_prev, v.to(v_prev.dtype)], 1)[:, -keep:].detach()
-            state.window_pos = torch.cat([pos_prev, pos], 1)[:, -keep:]
+            # the next token sees itself plus the W - 1 entries before it
+            first = max(0, k_prev.shape[1] + T - (self.window - 1))
+            state.window_k = torch.cat([k_prev, k.to(k_prev.dtype)], 1)[:, first:].detach()
+            state.window_v = torch.cat([v_prev, v.to(v_prev.dtype)], 1)[:, first:].detach()
+            state.window_pos = torch.cat([pos_prev, pos], 1)[:, first:]
             state.sink_k, state.sink_v, state.sink_pos = sink_k.detach(), sink_v.detach(), sink_pos
         return out
 
@@ -459,6 +461,32 @@ class AarenPreTrainedModel(PreTrainedModel):
             "AutoModelForCausalLM": "modeling_aaren.AarenForCausalLM",
         }
         return super().save_pretrained(save_directory, *args, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        # transformers only logs weights missing from a checkpoint and initialises them at random: the model would
+        # load and generate garbage. Refuse instead. Asking for output_loading_info=True returns the info and lets
+        # the caller accept a partial checkpoint on purpose. (Public API only: no private loading hook.)
+        wants_info = kwargs.pop("output_loading_info", False)
+        try:
+            model, info = super().from_pretrained(
+                pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs
+            )
+        except SafetensorError as err:
+            raise OSError(
+                f"Could not read the weights of {pretrained_model_name_or_path}: {err}. The safetensors file is "
+                "corrupt or truncated: download or save it again."
+            ) from err
+        if wants_info:
+            return model, info
+        if info["missing_keys"]:
+            raise ValueError(
+                f"Weights missing from the checkpoint {pretrained_model_name_or_path}: "
+                f"{sorted(info['missing_keys'])}. They would stay at random initial values. The checkpoint is "
+                "incomplete or was written for another configuration; pass output_loading_info=True to load it "
+                "anyway and inspect the returned loading info."
+            )
+        return model
 
     @torch.no_grad()
     def _init_weights(self, module):

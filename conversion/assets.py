@@ -450,7 +450,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="rebuild even if the cache looks valid")
     parser.add_argument("--no-check", action="store_true", help="skip the generation check and token counts")
     args = parser.parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()

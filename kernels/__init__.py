@@ -1,1 +1,75 @@
-"""Aaren scan ops: PyTorch references and Triton kernels behind one dispatch point."""
+"""Aaren scan ops: PyTorch references and Triton kernels behind one dispatch point.
+
+    o, final_state = chunk_aaren(s, v, g=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+                                 chunk_size=64)
+    (fused_recurrent_aaren: same signature; the token-by-token decode path)
+
+Backend: Triton for CUDA tensors (and for CPU tensors when TRITON_INTERPRET=1, which runs the kernels in Triton's
+interpreter), PyTorch otherwise. AAREN_BACKEND=triton|torch|naive overrides. Triton is optional.
+"""
+
+import functools
+import importlib.util
+import os
+
+from .aaren.naive import naive_aaren
+
+
+def _torch_ops():
+    # Imported on first use, not at import time: from the repository root this folder is also reachable as a
+    # top-level `kernels` (a name transformers probes for while it imports), and importing aaren_hf from there
+    # would re-enter transformers half-way through its own import.
+    from aaren_hf.aaren_scan import chunk_aaren_torch, recurrent_aaren_torch
+
+    return chunk_aaren_torch, recurrent_aaren_torch
+
+
+def __getattr__(name):  # chunk_aaren_torch / recurrent_aaren_torch, imported lazily (PEP 562)
+    if name == "chunk_aaren_torch":
+        return _torch_ops()[0]
+    if name == "recurrent_aaren_torch":
+        return _torch_ops()[1]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["chunk_aaren", "fused_recurrent_aaren", "naive_aaren", "chunk_aaren_torch", "recurrent_aaren_torch"]
+BACKENDS = ("triton", "torch", "naive")
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def select_backend(x) -> str:
+    forced = os.environ.get("AAREN_BACKEND", "").strip().lower()
+    if forced:
+        if forced not in BACKENDS:
+            raise ValueError(f"AAREN_BACKEND={forced!r}: expected one of {', '.join(BACKENDS)}")
+        if forced == "triton" and not triton_available():
+            raise ImportError("AAREN_BACKEND=triton but triton is not installed (pip install 'aaren-hf[triton]')")
+        if forced == "triton" and not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("AAREN_BACKEND=triton with CPU tensors needs TRITON_INTERPRET=1 (Triton's interpreter)")
+        return forced
+    if (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") and triton_available():
+        return "triton"
+    return "torch"
+
+
+def chunk_aaren(s, v, g=None, initial_state=None, output_final_state=False, cu_seqlens=None, chunk_size=64):
+    backend = select_backend(v)
+    if backend == "triton":
+        from .aaren.chunk import chunk_aaren_triton as fn
+    else:
+        fn = _torch_ops()[0] if backend == "torch" else naive_aaren
+    return fn(s, v, g, initial_state, output_final_state, cu_seqlens, chunk_size)
+
+
+def fused_recurrent_aaren(s, v, g=None, initial_state=None, output_final_state=False, cu_seqlens=None, chunk_size=64):
+    backend = select_backend(v)
+    if backend == "triton":
+        from .aaren.fused_recurrent import fused_recurrent_aaren_triton
+
+        return fused_recurrent_aaren_triton(s, v, g, initial_state, output_final_state, cu_seqlens)
+    fn = _torch_ops()[1] if backend == "torch" else naive_aaren
+    return fn(s, v, g, initial_state, output_final_state, cu_seqlens)

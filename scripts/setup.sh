@@ -44,6 +44,8 @@ fi
 # 4. Assets: GGUF -> float32 safetensors teacher; apt-get download + dpkg-deb -x of python3.11-doc,
 #    linux-doc-6.1 and perl-doc -> JSON-lines corpora. Each step is skipped when its cache is valid.
 if [ "${AAREN_SETUP_SKIP_ASSETS:-0}" != "1" ]; then
-    "$VENV/bin/python" -m aaren_hf.conversion.assets
+    # -P: do not put the repository root on sys.path (its kernels/ folder would shadow the `kernels` package
+    # that transformers probes for).
+    "$VENV/bin/python" -P -m aaren_hf.conversion.assets
 fi
 log "done"

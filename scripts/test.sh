@@ -4,4 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest -m "not slow or smoke" "$@"
+# -P: keep the repository root off sys.path, so its kernels/ folder is never importable as a top-level `kernels`
+# (a name transformers probes for); the code is installed as aaren_hf.kernels.
+exec .venv/bin/python -P -m pytest -m "not slow or smoke" "$@"

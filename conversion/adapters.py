@@ -1,0 +1,651 @@
+# Copyright 2026 The aaren-hf authors. Apache-2.0.
+"""Teacher adapters: map a pretrained causal LM (Llama family, GPT-2, GPT-NeoX) onto an Aaren model.
+
+Three public entry points work for every supported teacher:
+
+- :func:`aaren_config_from_teacher` copies the teacher's dimensions and block layout into an :class:`AarenConfig`,
+  and takes the mixer options (slots, decay, window, ...) as keyword arguments.
+- :func:`map_teacher_state_dict` returns every Aaren tensor that comes from the teacher, under the Aaren names
+  (embeddings, norms, k/v/o and q projections, q/k norms, rotary inverse frequencies, MLPs, LM head). The mixer's
+  new parameters (queries, decay, gates) are absent: the conversion initialises them.
+- :func:`teacher_layers` and :func:`teacher_qkv` give the conversion access to each teacher layer: its attention
+  module, its norms, and its per-head queries, keys and values (before rotary embeddings).
+
+One small adapter class per family; ``llama``, ``mistral``, ``qwen2`` and ``qwen3`` share the Llama one (they differ
+only in biases and Qwen3's q/k norms).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from aaren_hf.configuration_aaren import AarenConfig
+
+__all__ = [
+    "SUPPORTED_TEACHERS",
+    "TeacherLayer",
+    "aaren_config_from_teacher",
+    "expected_teacher_shapes",
+    "get_adapter",
+    "map_teacher_state_dict",
+    "teacher_layers",
+    "teacher_qkv",
+    "teacher_qkv_weights",
+    "teacher_rotary_inv_freq",
+]
+
+SUPPORTED_TEACHERS = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "gpt_neox")
+
+MIXER_OPTIONS = ("num_query_slots", "decay", "decay_init", "window_size", "num_sink_tokens", "window_gate",
+                 "window_gate_init", "chunk_size")
+
+
+@dataclass
+class TeacherLayer:
+    """One decoder layer of a teacher and the parts the conversion needs.
+
+    ``attention`` is called with the output of ``input_norm``; ``post_attention_norm`` is the MLP's norm
+    (applied to the residual stream after attention, or, with a parallel residual, to the layer input)."""
+
+    index: int
+    module: nn.Module
+    attention: nn.Module
+    input_norm: nn.Module
+    post_attention_norm: nn.Module
+    mlp: nn.Module
+    family: str
+
+
+def _clone(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy: the Aaren model must never share storage with the teacher."""
+    return tensor.detach().clone().contiguous()
+
+
+def _rope_parameters(cfg) -> tuple[float, float]:
+    """(rope_theta, partial_rotary_factor) of a rotary teacher, as its own rotary embedding uses them.
+
+    transformers' Llama-style "default" rope ignores ``partial_rotary_factor`` while GPT-NeoX and the scaled rope
+    types honour it, so the rotary width is measured on the teacher's own RotaryEmbedding class (cheap: it only
+    computes ``inv_freq``), falling back to the config's ``rope_parameters``."""
+    params = getattr(cfg, "rope_parameters", None) or {}
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        params = params["full_attention"]  # per-layer-type dicts
+    theta = float(params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+    partial = float(params.get("partial_rotary_factor", 1.0))
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    rotary = _rotary_class(cfg)
+    if rotary is not None:
+        try:
+            rotary_dim = 2 * rotary(cfg).inv_freq.shape[0]
+        except Exception:  # unusual configs: trust the config
+            rotary_dim = None
+        if rotary_dim:
+            partial = rotary_dim / head_dim
+            if int(head_dim * partial) != rotary_dim:  # float round-off: AarenConfig truncates head_dim * factor
+                partial = math.nextafter(partial, 2.0)
+    return theta, partial
+
+
+def _rotary_class(cfg):
+    try:
+        module = importlib.import_module(f"transformers.models.{cfg.model_type}.modeling_{cfg.model_type}")
+    except ImportError:
+        return None
+    names = [name for name in dir(module) if name.endswith("RotaryEmbedding") and not name.startswith("_")]
+    return getattr(module, names[0]) if len(names) == 1 else None
+
+
+def _special_ids(cfg) -> dict:
+    return {name: getattr(cfg, name, None) for name in ("bos_token_id", "eos_token_id", "pad_token_id")}
+
+
+def _linear_out(prefix: str, linear: nn.Linear, bias: bool) -> dict[str, torch.Tensor]:
+    out = {f"{prefix}.weight": _clone(linear.weight)}
+    if bias:
+        if linear.bias is None:
+            raise ValueError(f"the Aaren config expects a bias on {prefix}, but the teacher's layer has none")
+        out[f"{prefix}.bias"] = _clone(linear.bias)
+    return out
+
+
+def _norm_out(prefix: str, norm: nn.Module, aaren: AarenConfig) -> dict[str, torch.Tensor]:
+    out = {f"{prefix}.weight": _clone(norm.weight)}
+    if aaren.norm_type == "layernorm":
+        out[f"{prefix}.bias"] = _clone(norm.bias)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Llama family: llama, mistral, qwen2, qwen3 (and SmolLM2, which is llama)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class LlamaAdapter:
+    """``model.embed_tokens``, ``model.layers[i].self_attn.{q,k,v,o}_proj``, gated MLP, RMSNorm, ``model.norm``."""
+
+    family = "llama"
+
+    @staticmethod
+    def config_kwargs(cfg) -> dict:
+        model_type = cfg.model_type
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        theta, partial = _rope_parameters(cfg)
+        if model_type == "qwen2":  # q/k/v biases are hard-wired in Qwen2Attention, o_proj has none
+            attention_bias, attention_out_bias = True, False
+        else:  # llama, qwen3: config.attention_bias on all four; mistral: no biases
+            attention_bias = bool(getattr(cfg, "attention_bias", False))
+            attention_out_bias = attention_bias
+        return dict(
+            hidden_act=cfg.hidden_act,
+            intermediate_size=cfg.intermediate_size,
+            num_key_value_heads=cfg.num_key_value_heads or cfg.num_attention_heads,
+            head_dim=head_dim,
+            norm_type="rmsnorm",
+            rms_norm_eps=float(cfg.rms_norm_eps),
+            mlp_type="gated",
+            mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
+            attention_bias=attention_bias,
+            attention_out_bias=attention_out_bias,
+            qk_norm=model_type == "qwen3",
+            parallel_residual=False,
+            position_embedding_type="none",
+            max_position_embeddings=cfg.max_position_embeddings,
+            rope_theta=theta,
+            partial_rotary_factor=partial,
+        )
+
+    @staticmethod
+    def base(model: nn.Module) -> nn.Module:
+        return model.model if hasattr(model, "model") and hasattr(model.model, "layers") else model
+
+    @classmethod
+    def layers(cls, model: nn.Module) -> list[TeacherLayer]:
+        return [
+            TeacherLayer(i, layer, layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm,
+                         layer.mlp, cls.family)
+            for i, layer in enumerate(cls.base(model).layers)
+        ]
+
+    @staticmethod
+    def qkv(attention: nn.Module, x: torch.Tensor):
+        head_dim = attention.head_dim
+        shape = (*x.shape[:-1], -1, head_dim)
+        q = attention.q_proj(x).view(shape)
+        k = attention.k_proj(x).view(shape)
+        v = attention.v_proj(x).view(shape)
+        if hasattr(attention, "q_norm"):  # Qwen3: RMSNorm per head, before rotary
+            q, k = attention.q_norm(q), attention.k_norm(k)
+        return q, k, v
+
+    @staticmethod
+    def qkv_weights(attention: nn.Module):
+        return [(proj.weight, proj.bias) for proj in (attention.q_proj, attention.k_proj, attention.v_proj)]
+
+    @classmethod
+    def state_dict(cls, model: nn.Module, aaren: AarenConfig) -> dict[str, torch.Tensor]:
+        base = cls.base(model)
+        out = {"model.embed_tokens.weight": _clone(base.embed_tokens.weight)}
+        out.update(_norm_out("model.norm", base.norm, aaren))
+        for layer in cls.layers(model):
+            p = f"model.layers.{layer.index}"
+            attn = layer.attention
+            out.update(_norm_out(f"{p}.input_layernorm", layer.input_norm, aaren))
+            out.update(_norm_out(f"{p}.post_attention_layernorm", layer.post_attention_norm, aaren))
+            if aaren.uses_query_projection:
+                out.update(_linear_out(f"{p}.mixer.q_proj", attn.q_proj, aaren.attention_bias))
+            out.update(_linear_out(f"{p}.mixer.k_proj", attn.k_proj, aaren.attention_bias))
+            out.update(_linear_out(f"{p}.mixer.v_proj", attn.v_proj, aaren.attention_bias))
+            out.update(_linear_out(f"{p}.mixer.o_proj", attn.o_proj, aaren.attention_out_bias))
+            if aaren.qk_norm:
+                out[f"{p}.mixer.q_norm.weight"] = _clone(attn.q_norm.weight)
+                out[f"{p}.mixer.k_norm.weight"] = _clone(attn.k_norm.weight)
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                out.update(_linear_out(f"{p}.mlp.{name}", getattr(layer.mlp, name), aaren.mlp_bias))
+        return out
+
+    @classmethod
+    def rotary(cls, model: nn.Module) -> nn.Module | None:
+        return getattr(cls.base(model), "rotary_emb", None)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GPT-2
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class GPT2Adapter:
+    """``transformer.wte/wpe``, ``transformer.h[i].attn.c_attn`` (fused q,k,v) and ``c_proj``, ``mlp.c_fc/c_proj``,
+    LayerNorm. Every projection is a ``Conv1D`` (weight ``[in, out]``), so weights are transposed."""
+
+    family = "gpt2"
+
+    @staticmethod
+    def config_kwargs(cfg) -> dict:
+        if not getattr(cfg, "scale_attn_weights", True) or getattr(cfg, "scale_attn_by_inverse_layer_idx", False):
+            raise ValueError(
+                "GPT-2 teachers with scale_attn_weights=False or scale_attn_by_inverse_layer_idx=True are not "
+                "supported: Aaren scales attention scores by 1/sqrt(head_dim)"
+            )
+        hidden = cfg.n_embd
+        return dict(
+            hidden_act=cfg.activation_function,
+            intermediate_size=cfg.n_inner or 4 * hidden,
+            num_key_value_heads=cfg.n_head,
+            head_dim=hidden // cfg.n_head,
+            norm_type="layernorm",
+            layer_norm_eps=float(cfg.layer_norm_epsilon),
+            mlp_type="plain",
+            mlp_bias=True,
+            attention_bias=True,
+            attention_out_bias=True,
+            qk_norm=False,
+            parallel_residual=False,
+            position_embedding_type="learned",
+            max_position_embeddings=cfg.n_positions,
+        )
+
+    @staticmethod
+    def base(model: nn.Module) -> nn.Module:
+        return model.transformer if hasattr(model, "transformer") else model
+
+    @classmethod
+    def layers(cls, model: nn.Module) -> list[TeacherLayer]:
+        return [
+            TeacherLayer(i, block, block.attn, block.ln_1, block.ln_2, block.mlp, cls.family)
+            for i, block in enumerate(cls.base(model).h)
+        ]
+
+    @staticmethod
+    def _split_c_attn(attention: nn.Module):
+        """c_attn (Conv1D, weight [hidden, 3*hidden]) -> three Linear-layout ([out, in]) weights and biases."""
+        hidden = attention.c_attn.weight.shape[0]
+        weights = attention.c_attn.weight.t().split(hidden, dim=0)
+        biases = attention.c_attn.bias.split(hidden, dim=0)
+        return weights, biases
+
+    @classmethod
+    def qkv_weights(cls, attention: nn.Module):
+        weights, biases = cls._split_c_attn(attention)
+        return list(zip(weights, biases))
+
+    @classmethod
+    def qkv(cls, attention: nn.Module, x: torch.Tensor):
+        q, k, v = attention.c_attn(x).split(attention.split_size, dim=-1)
+        shape = (*x.shape[:-1], -1, attention.head_dim)
+        return q.view(shape), k.view(shape), v.view(shape)
+
+    @classmethod
+    def state_dict(cls, model: nn.Module, aaren: AarenConfig) -> dict[str, torch.Tensor]:
+        base = cls.base(model)
+        out = {"model.embed_tokens.weight": _clone(base.wte.weight)}
+        if aaren.position_embedding_type == "learned":
+            out["model.embed_positions.weight"] = _clone(base.wpe.weight)
+        out.update(_norm_out("model.norm", base.ln_f, aaren))
+        for layer in cls.layers(model):
+            p = f"model.layers.{layer.index}"
+            attn = layer.attention
+            out.update(_norm_out(f"{p}.input_layernorm", layer.input_norm, aaren))
+            out.update(_norm_out(f"{p}.post_attention_layernorm", layer.post_attention_norm, aaren))
+            (wq, wk, wv), (bq, bk, bv) = cls._split_c_attn(attn)
+            names = (["q_proj"] if aaren.uses_query_projection else []) + ["k_proj", "v_proj"]
+            parts = {"q_proj": (wq, bq), "k_proj": (wk, bk), "v_proj": (wv, bv)}
+            for name in names:
+                weight, bias = parts[name]
+                out[f"{p}.mixer.{name}.weight"] = _clone(weight)
+                if aaren.attention_bias:
+                    out[f"{p}.mixer.{name}.bias"] = _clone(bias)
+            out[f"{p}.mixer.o_proj.weight"] = _clone(attn.c_proj.weight.t())
+            if aaren.attention_out_bias:
+                out[f"{p}.mixer.o_proj.bias"] = _clone(attn.c_proj.bias)
+            out[f"{p}.mlp.fc_in.weight"] = _clone(layer.mlp.c_fc.weight.t())
+            out[f"{p}.mlp.fc_out.weight"] = _clone(layer.mlp.c_proj.weight.t())
+            if aaren.mlp_bias:
+                out[f"{p}.mlp.fc_in.bias"] = _clone(layer.mlp.c_fc.bias)
+                out[f"{p}.mlp.fc_out.bias"] = _clone(layer.mlp.c_proj.bias)
+        return out
+
+    @staticmethod
+    def rotary(model: nn.Module) -> None:
+        return None  # learned absolute positions; no rotary embedding
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GPT-NeoX (Pythia)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class GPTNeoXAdapter:
+    """``gpt_neox.embed_in``, ``layers[i].attention.query_key_value`` (fused, per-head interleaved ``[H, 3, D]``
+    rows) and ``dense``, ``mlp.dense_h_to_4h/dense_4h_to_h``, LayerNorm, partial rotary, parallel residual,
+    untied ``embed_out`` (called ``lm_head`` in transformers 5)."""
+
+    family = "gpt_neox"
+
+    @staticmethod
+    def config_kwargs(cfg) -> dict:
+        theta, partial = _rope_parameters(cfg)
+        return dict(
+            hidden_act=cfg.hidden_act,
+            intermediate_size=cfg.intermediate_size,
+            num_key_value_heads=cfg.num_attention_heads,
+            head_dim=cfg.hidden_size // cfg.num_attention_heads,
+            norm_type="layernorm",
+            layer_norm_eps=float(cfg.layer_norm_eps),
+            mlp_type="plain",
+            mlp_bias=True,  # GPTNeoXMLP's Linear layers always have biases
+            attention_bias=bool(getattr(cfg, "attention_bias", True)),
+            attention_out_bias=bool(getattr(cfg, "attention_bias", True)),
+            qk_norm=False,
+            parallel_residual=bool(cfg.use_parallel_residual),
+            position_embedding_type="none",
+            max_position_embeddings=cfg.max_position_embeddings,
+            rope_theta=theta,
+            partial_rotary_factor=partial,
+        )
+
+    @staticmethod
+    def base(model: nn.Module) -> nn.Module:
+        return model.gpt_neox if hasattr(model, "gpt_neox") else model
+
+    @classmethod
+    def layers(cls, model: nn.Module) -> list[TeacherLayer]:
+        return [
+            TeacherLayer(i, layer, layer.attention, layer.input_layernorm, layer.post_attention_layernorm,
+                         layer.mlp, cls.family)
+            for i, layer in enumerate(cls.base(model).layers)
+        ]
+
+    @staticmethod
+    def _split_qkv(attention: nn.Module):
+        """query_key_value rows are ordered [head, (q|k|v), head_dim]: split to three [H*D, hidden] weights."""
+        fused = attention.query_key_value
+        heads, head_dim = attention.config.num_attention_heads, attention.head_size
+        weight = fused.weight.view(heads, 3, head_dim, -1)
+        weights = [weight[:, i].reshape(heads * head_dim, -1) for i in range(3)]
+        biases = [None] * 3
+        if fused.bias is not None:
+            bias = fused.bias.view(heads, 3, head_dim)
+            biases = [bias[:, i].reshape(heads * head_dim) for i in range(3)]
+        return weights, biases
+
+    @classmethod
+    def qkv_weights(cls, attention: nn.Module):
+        weights, biases = cls._split_qkv(attention)
+        return list(zip(weights, biases))
+
+    @staticmethod
+    def qkv(attention: nn.Module, x: torch.Tensor):
+        qkv = attention.query_key_value(x).view(*x.shape[:-1], -1, 3 * attention.head_size)
+        q, k, v = qkv.chunk(3, dim=-1)
+        return q, k, v
+
+    @classmethod
+    def state_dict(cls, model: nn.Module, aaren: AarenConfig) -> dict[str, torch.Tensor]:
+        base = cls.base(model)
+        out = {"model.embed_tokens.weight": _clone(base.embed_in.weight)}
+        out.update(_norm_out("model.norm", base.final_layer_norm, aaren))
+        for layer in cls.layers(model):
+            p = f"model.layers.{layer.index}"
+            attn = layer.attention
+            out.update(_norm_out(f"{p}.input_layernorm", layer.input_norm, aaren))
+            out.update(_norm_out(f"{p}.post_attention_layernorm", layer.post_attention_norm, aaren))
+            (wq, wk, wv), (bq, bk, bv) = cls._split_qkv(attn)
+            names = (["q_proj"] if aaren.uses_query_projection else []) + ["k_proj", "v_proj"]
+            parts = {"q_proj": (wq, bq), "k_proj": (wk, bk), "v_proj": (wv, bv)}
+            for name in names:
+                weight, bias = parts[name]
+                out[f"{p}.mixer.{name}.weight"] = _clone(weight)
+                if aaren.attention_bias:
+                    if bias is None:
+                        raise ValueError(f"the Aaren config expects q/k/v biases but {p} of the teacher has none")
+                    out[f"{p}.mixer.{name}.bias"] = _clone(bias)
+            out.update(_linear_out(f"{p}.mixer.o_proj", attn.dense, aaren.attention_out_bias))
+            out.update(_linear_out(f"{p}.mlp.fc_in", layer.mlp.dense_h_to_4h, aaren.mlp_bias))
+            out.update(_linear_out(f"{p}.mlp.fc_out", layer.mlp.dense_4h_to_h, aaren.mlp_bias))
+        return out
+
+    @classmethod
+    def rotary(cls, model: nn.Module) -> nn.Module | None:
+        return getattr(cls.base(model), "rotary_emb", None)
+
+
+ADAPTERS = {
+    "llama": LlamaAdapter,
+    "mistral": LlamaAdapter,
+    "qwen2": LlamaAdapter,
+    "qwen3": LlamaAdapter,
+    "gpt2": GPT2Adapter,
+    "gpt_neox": GPTNeoXAdapter,
+}
+assert tuple(ADAPTERS) == SUPPORTED_TEACHERS
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _config_of(teacher) -> object:
+    """Accept a config, a model, or anything with ``.config``."""
+    return teacher.config if hasattr(teacher, "config") and not hasattr(teacher, "model_type") else teacher
+
+
+def _output_embedding(model: nn.Module) -> torch.Tensor | None:
+    """The LM head's weight (``lm_head``; GPT-NeoX's ``embed_out`` is renamed ``lm_head`` by transformers 5), or
+    None for a base model without a head."""
+    getter = getattr(model, "get_output_embeddings", None)
+    head = getter() if getter is not None else None
+    if head is None:
+        head = getattr(model, "lm_head", None) or getattr(model, "embed_out", None)
+    return None if head is None else head.weight
+
+
+def get_adapter(teacher):
+    """The adapter class for a teacher model or config; ValueError for unsupported architectures."""
+    cfg = _config_of(teacher)
+    model_type = getattr(cfg, "model_type", None)
+    if model_type not in ADAPTERS:
+        raise ValueError(
+            f"unsupported teacher model_type {model_type!r}; supported: {', '.join(SUPPORTED_TEACHERS)}"
+        )
+    return ADAPTERS[model_type]
+
+
+_AAREN_PARAMETERS = set(inspect.signature(AarenConfig.__init__).parameters) - {"self", "kwargs"}
+
+
+def aaren_config_from_teacher(teacher_config, **options) -> AarenConfig:
+    """An :class:`AarenConfig` with the teacher's dimensions and block layout.
+
+    ``options`` are AarenConfig arguments, typically the mixer's (``num_query_slots``, ``decay``, ``decay_init``,
+    ``window_size``, ``num_sink_tokens``, ``window_gate``, ``window_gate_init``, ``chunk_size``); any other
+    AarenConfig argument given here overrides the value taken from the teacher.
+    """
+    cfg = _config_of(teacher_config)
+    adapter = get_adapter(cfg)
+    unknown = sorted(set(options) - _AAREN_PARAMETERS)
+    if unknown:
+        raise TypeError(f"unknown AarenConfig option(s) {unknown}; mixer options: {', '.join(MIXER_OPTIONS)}")
+    kwargs = dict(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        initializer_range=getattr(cfg, "initializer_range", 0.02),
+        tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        **_special_ids(cfg),
+    )
+    kwargs.update(adapter.config_kwargs(cfg))
+    kwargs.update(options)
+    return AarenConfig(**kwargs)
+
+
+def teacher_layers(model: nn.Module) -> list[TeacherLayer]:
+    """The teacher's decoder layers, each with its attention module, input norm, MLP norm and MLP."""
+    return get_adapter(model).layers(model)
+
+
+_FAMILY_ADAPTERS = {"llama": LlamaAdapter, "gpt2": GPT2Adapter, "gpt_neox": GPTNeoXAdapter}
+
+
+def _attention_and_adapter(teacher_layer):
+    if isinstance(teacher_layer, TeacherLayer):
+        return teacher_layer.attention, _FAMILY_ADAPTERS[teacher_layer.family]
+    module = teacher_layer
+    for attribute, adapter in (("self_attn", LlamaAdapter), ("attn", GPT2Adapter), ("attention", GPTNeoXAdapter)):
+        if hasattr(module, attribute):  # a decoder layer
+            return getattr(module, attribute), adapter
+    if hasattr(module, "q_proj"):  # an attention module
+        return module, LlamaAdapter
+    if hasattr(module, "c_attn"):
+        return module, GPT2Adapter
+    if hasattr(module, "query_key_value"):
+        return module, GPTNeoXAdapter
+    raise ValueError(f"cannot find the attention of {type(module).__name__}; supported: {', '.join(SUPPORTED_TEACHERS)}")
+
+
+def teacher_qkv(teacher_layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The teacher's per-head queries, keys and values for the attention input ``x`` ``[B, T, hidden]``.
+
+    ``x`` is what the attention module receives, i.e. the output of the layer's input norm (apply
+    ``TeacherLayer.input_norm`` to residual-stream states first). ``teacher_layer`` is a :class:`TeacherLayer`, a
+    decoder layer or its attention module. Returns ``q [B, T, H, D]``, ``k [B, T, Hkv, D]``, ``v [B, T, Hkv, D]``
+    before rotary embeddings (Qwen3: after its per-head q/k RMSNorm, which precedes rotary). The teacher applies
+    rotary to the first ``rotary_dim`` channels of q and k and scales scores by ``D ** -0.5``.
+    """
+    attention, adapter = _attention_and_adapter(teacher_layer)
+    return adapter.qkv(attention, x)
+
+
+def teacher_qkv_weights(teacher_layer, head_dim: int) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+    """Per-head views of the teacher's query, key and value projections, in ``nn.Linear`` layout:
+    ``{"q": (weight [H, D, hidden], bias [H, D] or None), "k": ([Hkv, D, hidden], ...), "v": ...}`` with
+    ``q[b, t, h] = weight[h] @ x[b, t] + bias[h]`` (the input of :func:`teacher_qkv`). Views share the teacher's
+    storage (GPT-2's are transposed views of its Conv1D weights): clone before modifying. Qwen3's per-head q/k
+    RMSNorm comes after these projections."""
+    attention, adapter = _attention_and_adapter(teacher_layer)
+    out = {}
+    for name, (weight, bias) in zip("qkv", adapter.qkv_weights(attention)):
+        out[name] = (weight.unflatten(0, (-1, head_dim)), None if bias is None else bias.unflatten(0, (-1, head_dim)))
+    return out
+
+
+def teacher_rotary_inv_freq(model: nn.Module) -> torch.Tensor | None:
+    """The teacher's rotary inverse frequencies ``[rotary_dim / 2]`` (rope scaling such as llama3's included), or
+    None for teachers without rotary embeddings (GPT-2)."""
+    rotary = get_adapter(model).rotary(model)
+    if rotary is None:
+        return None
+    scaling = float(getattr(rotary, "attention_scaling", 1.0))
+    if abs(scaling - 1.0) > 1e-6:
+        warnings.warn(
+            f"the teacher's rotary embedding scales cos/sin by {scaling} (e.g. YaRN); Aaren's window branch "
+            "uses plain cos/sin, so its scores differ from the teacher's by that factor squared"
+        )
+    return rotary.inv_freq
+
+
+def expected_teacher_shapes(aaren: AarenConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every Aaren tensor that :func:`map_teacher_state_dict` fills from a teacher."""
+    hidden, d = aaren.hidden_size, aaren.head_dim
+    h, hkv, ffn = aaren.num_attention_heads, aaren.num_key_value_heads, aaren.intermediate_size
+    layernorm = aaren.norm_type == "layernorm"
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (aaren.vocab_size, hidden)}
+    if not aaren.tie_word_embeddings:
+        shapes["lm_head.weight"] = (aaren.vocab_size, hidden)
+    if aaren.position_embedding_type == "learned":
+        shapes["model.embed_positions.weight"] = (aaren.max_position_embeddings, hidden)
+
+    def norm(prefix):
+        shapes[f"{prefix}.weight"] = (hidden,)
+        if layernorm:
+            shapes[f"{prefix}.bias"] = (hidden,)
+
+    def linear(prefix, out_features, in_features, bias):
+        shapes[f"{prefix}.weight"] = (out_features, in_features)
+        if bias:
+            shapes[f"{prefix}.bias"] = (out_features,)
+
+    norm("model.norm")
+    for i in range(aaren.num_hidden_layers):
+        p = f"model.layers.{i}"
+        norm(f"{p}.input_layernorm")
+        norm(f"{p}.post_attention_layernorm")
+        if aaren.uses_query_projection:
+            linear(f"{p}.mixer.q_proj", h * d, hidden, aaren.attention_bias)
+        linear(f"{p}.mixer.k_proj", hkv * d, hidden, aaren.attention_bias)
+        linear(f"{p}.mixer.v_proj", hkv * d, hidden, aaren.attention_bias)
+        linear(f"{p}.mixer.o_proj", hidden, h * d, aaren.attention_out_bias)
+        if aaren.qk_norm:
+            shapes[f"{p}.mixer.q_norm.weight"] = (d,)
+            shapes[f"{p}.mixer.k_norm.weight"] = (d,)
+        if aaren.window_size > 0:
+            shapes[f"{p}.mixer.rope_inv_freq"] = (aaren.rotary_dim // 2,)
+        if aaren.mlp_type == "gated":
+            linear(f"{p}.mlp.gate_proj", ffn, hidden, aaren.mlp_bias)
+            linear(f"{p}.mlp.up_proj", ffn, hidden, aaren.mlp_bias)
+            linear(f"{p}.mlp.down_proj", hidden, ffn, aaren.mlp_bias)
+        else:
+            linear(f"{p}.mlp.fc_in", ffn, hidden, aaren.mlp_bias)
+            linear(f"{p}.mlp.fc_out", hidden, ffn, aaren.mlp_bias)
+    return shapes
+
+
+def map_teacher_state_dict(teacher_model: nn.Module, aaren_config: AarenConfig) -> dict[str, torch.Tensor]:
+    """Every Aaren tensor that comes from the teacher, under its Aaren name (copies, not views of the teacher).
+
+    Includes ``lm_head.weight`` unless ``aaren_config.tie_word_embeddings`` (a tied teacher's embedding is copied
+    into an untied head), ``model.embed_positions.weight`` for GPT-2, and, when the window branch is on,
+    ``mixer.rope_inv_freq``: the teacher's rotary inverse frequencies (rope scaling included), or zeros for GPT-2,
+    which has no rotary embedding (zero frequencies rotate nothing, so the window branch scores tokens exactly as
+    GPT-2's attention does). Shapes are checked against :func:`expected_teacher_shapes`.
+    """
+    adapter = get_adapter(teacher_model)
+    out = adapter.state_dict(teacher_model, aaren_config)
+
+    if not aaren_config.tie_word_embeddings:
+        head = _output_embedding(teacher_model)
+        if head is None:
+            if not getattr(teacher_model.config, "tie_word_embeddings", False):
+                raise ValueError(
+                    "the teacher has no LM head (a base model?) and untied embeddings: load it with "
+                    "AutoModelForCausalLM, or set tie_word_embeddings=True in the Aaren config"
+                )
+            head = out["model.embed_tokens.weight"]
+        out["lm_head.weight"] = _clone(head)
+    elif not getattr(teacher_model.config, "tie_word_embeddings", False):
+        raise ValueError(
+            "the Aaren config ties the LM head to the embeddings but the teacher's are untied: the teacher's head "
+            "would be lost; use tie_word_embeddings=False"
+        )
+
+    if aaren_config.window_size > 0:
+        inv_freq = teacher_rotary_inv_freq(teacher_model)
+        if inv_freq is None:  # GPT-2: no rotary; zero frequencies make the rotation the identity, as in the teacher
+            inv_freq = torch.zeros(aaren_config.rotary_dim // 2)
+        if inv_freq.shape != (aaren_config.rotary_dim // 2,):
+            raise ValueError(
+                f"the teacher's rotary inv_freq has shape {tuple(inv_freq.shape)}, the Aaren config's rotary_dim "
+                f"{aaren_config.rotary_dim} needs ({aaren_config.rotary_dim // 2},)"
+            )
+        for i in range(aaren_config.num_hidden_layers):
+            out[f"model.layers.{i}.mixer.rope_inv_freq"] = _clone(inv_freq.float())
+
+    expected = expected_teacher_shapes(aaren_config)
+    missing = sorted(set(expected) - set(out))
+    extra = sorted(set(out) - set(expected))
+    wrong = sorted(k for k in set(out) & set(expected) if tuple(out[k].shape) != expected[k])
+    if missing or extra or wrong:
+        details = [f"{k}: {tuple(out[k].shape)} vs {expected[k]}" for k in wrong[:5]]
+        raise ValueError(
+            f"teacher does not match the Aaren config: missing {missing[:5]}, unexpected {extra[:5]}, "
+            f"wrong shapes {details} (was the config made by aaren_config_from_teacher for this teacher?)"
+        )
+    return out

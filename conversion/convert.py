@@ -1,0 +1,587 @@
+# Copyright 2026 The aaren-hf authors. Apache-2.0.
+"""One conversion, end to end: teacher -> Aaren student folder that loads with ``AutoModelForCausalLM``.
+
+Steps (each resumable with ``resume=True`` after an interruption, even a kill -9):
+
+1. resolve the teacher (hub name, local folder, or the packaged SmolLM2-135M-Instruct) and check its model_type;
+2. build the ``AarenConfig`` from the teacher and the mixer options, copy the teacher's weights (adapters);
+3. initialise the new mixer parameters from the teacher's statistics (:mod:`.init`);
+4. stage 1: per-layer attention transfer (:mod:`.stage1`), layers split across processes;
+5. stage 2: end-to-end logit distillation (:mod:`.stage2`), data-parallel across processes;
+6. evaluate against the teacher and the StreamingLLM baseline (:mod:`.evaluate`);
+7. write the output folder atomically: weights (safetensors) + config with ``auto_map`` + modeling files,
+   tokenizer, ``generation_config.json``, ``README.md`` (model card), ``evaluation.json``, ``conversion.json``,
+   ``conversion.log``.
+
+Work files (checkpoints, the log while running, captured activations when they do not fit in memory) live in
+``<output>.work/`` and are removed after success unless ``keep_work``.
+
+Processes: ``Accelerator()`` decides: one CPU process, one GPU, or many under ``accelerate launch`` / ``torchrun``
+(on CPUs, ``torchrun --nproc_per_node N -m aaren_hf.conversion.cli ...`` gives N gloo processes).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from . import train_state as ts
+from .stage1 import Stage1Options, run_stage1
+from .stage2 import Stage2Options, run_stage2
+
+__all__ = ["ConvertOptions", "ConversionError", "convert", "default_output_name", "resolve_teacher",
+           "options_from_recipe", "load_teacher", "build_student"]
+
+LOGGER_NAME = "aaren_hf.conversion"
+RUN_FILE = "run.json"
+# options that may differ between a run and its resumption
+NOT_FINGERPRINTED = {"resume", "overwrite", "keep_work", "progress", "output", "eval", "eval_quick",
+                     "eval_windows", "recall_trials", "recall_distances", "cpu"}
+
+
+class ConversionError(RuntimeError):
+    """A conversion cannot start or continue; the message says what to do."""
+
+
+@dataclass
+class ConvertOptions:
+    teacher: Optional[str] = None  # hub name, local folder, or None: the packaged SmolLM2-135M-Instruct
+    output: Optional[str] = None  # default: ./<teacher name>-aaren
+    recipe: Optional[str] = None  # name of the recipe these options came from (for the record)
+    data: tuple = ("python-docs",)
+    seq_len: int = 512
+    train_windows: int = 64
+    heldout_windows: int = 16
+    seed: int = 0
+    mixer: dict = field(default_factory=lambda: {"num_query_slots": 4, "decay": "learned", "window_size": 64,
+                                                 "num_sink_tokens": 1, "window_gate": "head"})
+    init_windows: int = 4
+    kmeans_iterations: int = 8
+    decay_spread: float = 2.0
+    stage1: Stage1Options = field(default_factory=Stage1Options)
+    stage2: Stage2Options = field(default_factory=Stage2Options)
+    eval: bool = True
+    eval_quick: bool = False
+    eval_windows: Optional[int] = None  # held-out windows for the evaluation (None: all of heldout_windows)
+    recall_trials: int = 5
+    recall_distances: tuple = (32, 128, 512, 2048)
+    resume: bool = False
+    overwrite: bool = False
+    keep_work: bool = False
+    progress: bool = True
+    cpu: bool = False  # force CPU even where a GPU is visible
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out["data"] = list(self.data)
+        out["recall_distances"] = list(self.recall_distances)
+        return out
+
+    def fingerprint(self) -> dict:
+        return {k: v for k, v in self.to_json().items() if k not in NOT_FINGERPRINTED}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Recipes, teacher, names
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def options_from_recipe(name: str, **overrides) -> ConvertOptions:
+    """ConvertOptions with a recipe's defaults (teacher, mixer, data, budget); ``overrides`` win. Stage options
+    may be given as dicts (``stage1={"steps": 10}``) or as Stage1Options/Stage2Options."""
+    from .recipes import get_recipe
+
+    recipe = get_recipe(name)
+    b = recipe.budget
+    seq_len = b.seq_len
+    stage1 = Stage1Options(steps=b.stage1_steps, lr=b.stage1_lr)
+    for attr, key in (("stage1_windows", "windows"), ("stage1_batch_size", "batch_size")):
+        if getattr(b, attr, None) is not None:
+            setattr(stage1, key, getattr(b, attr))
+    stage2 = Stage2Options(steps=b.stage2_steps, lr=b.stage2_lr, batch_size=b.batch_size)
+    for attr, key in (("stage2_micro_batch_size", "micro_batch_size"), ("trainable", "trainable"),
+                      ("ce_weight", "ce_weight"), ("stage2_seq_len", "seq_len")):
+        if getattr(b, attr, None) is not None:
+            setattr(stage2, key, getattr(b, attr))
+    opts = ConvertOptions(
+        teacher=None, recipe=recipe.name, data=tuple(recipe.data), seq_len=seq_len,
+        train_windows=max(1, b.data_tokens // seq_len), heldout_windows=b.heldout_windows,
+        mixer=dict(recipe.mixer), stage1=stage1, stage2=stage2,
+    )
+    for attr in ("init_windows", "eval_windows", "recall_trials"):
+        if getattr(b, attr, None) is not None:
+            setattr(opts, attr, getattr(b, attr))
+    return apply_overrides(opts, **overrides)
+
+
+def apply_overrides(opts: ConvertOptions, **overrides) -> ConvertOptions:
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        if key in ("stage1", "stage2") and isinstance(value, dict):
+            setattr(opts, key, replace(getattr(opts, key), **value))
+        elif key == "mixer" and isinstance(value, dict):
+            opts.mixer = {**opts.mixer, **value}
+        elif key in {f.name for f in fields(ConvertOptions)}:
+            setattr(opts, key, value)
+        else:
+            raise TypeError(f"unknown conversion option {key!r}")
+    return opts
+
+
+def _looks_like_path(text: str) -> bool:
+    return text.startswith((".", "/", "~")) or os.sep + os.sep in text or text.count("/") > 1
+
+
+def resolve_teacher(teacher: Optional[str], recipe: Optional[str] = None) -> str:
+    """What to pass to ``from_pretrained``: a local folder as given, a hub name as given, or (None) the recipe's
+    teacher / the packaged SmolLM2-135M-Instruct."""
+    if teacher is None:
+        if recipe is not None:
+            from .recipes import get_recipe
+
+            return str(get_recipe(recipe).resolve_teacher())
+        from .assets import packaged_teacher_path
+
+        return str(packaged_teacher_path())
+    path = Path(teacher).expanduser()
+    if path.exists():
+        if not path.is_dir() or not (path / "config.json").is_file():
+            raise ConversionError(f"teacher {teacher!r} is not a model folder (no config.json in it)")
+        return str(path.resolve())
+    if _looks_like_path(teacher):
+        raise ConversionError(
+            f"teacher folder {teacher!r} does not exist. Pass a folder holding config.json and the weights, a hub "
+            f"name such as HuggingFaceTB/SmolLM2-135M-Instruct, or leave --teacher out for the packaged teacher."
+        )
+    return teacher
+
+
+def teacher_display_name(teacher: str) -> str:
+    return Path(str(teacher).rstrip("/")).name
+
+
+def default_output_name(teacher: str) -> str:
+    return f"{teacher_display_name(teacher)}-aaren"
+
+
+def check_teacher_type(teacher: str) -> object:
+    """Load only the teacher's config and check that an adapter exists for it."""
+    from transformers import AutoConfig
+
+    from .adapters import SUPPORTED_TEACHERS
+
+    try:
+        config = AutoConfig.from_pretrained(teacher)
+    except OSError as error:
+        raise ConversionError(
+            f"cannot load the teacher's config from {teacher!r}: {error}\nWithout access to the Hugging Face hub, "
+            f"pass a local folder, or leave --teacher out for the packaged SmolLM2-135M-Instruct."
+        ) from error
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_TEACHERS:
+        raise ConversionError(
+            f"teacher model_type {model_type!r} is not supported; supported teacher types: "
+            f"{', '.join(SUPPORTED_TEACHERS)}"
+        )
+    return config
+
+
+def load_teacher(teacher: str, dtype=torch.float32, device="cpu"):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(teacher)
+    model = AutoModelForCausalLM.from_pretrained(teacher, dtype=dtype, attn_implementation="sdpa")
+    model.to(device).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return tokenizer, model
+
+
+def build_student(teacher_model, mixer_options: dict):
+    """An AarenForCausalLM with the teacher's weights mapped in; the new mixer parameters keep their default
+    initialisation (:func:`.init.initialize_student` sets them)."""
+    import aaren_hf  # noqa: F401  (registers the Auto classes)
+    from aaren_hf import AarenForCausalLM
+
+    from .adapters import aaren_config_from_teacher, map_teacher_state_dict
+    from .init import new_parameter_names
+
+    config = aaren_config_from_teacher(teacher_model.config, **mixer_options)
+    student = AarenForCausalLM(config)
+    mapped = map_teacher_state_dict(teacher_model, config)
+    missing, unexpected = student.load_state_dict(mapped, strict=False)
+    allowed = set(new_parameter_names(student))
+    if config.tie_word_embeddings:
+        allowed.add("lm_head.weight")
+    left = [k for k in missing if k not in allowed]
+    if left or unexpected:
+        raise ConversionError(f"teacher weights do not fill the student: missing {left[:5]}, unexpected {unexpected[:5]}")
+    student.to(next(teacher_model.parameters()).device)
+    return student
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Logging and files
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _setup_logger(work: Optional[Path], main: bool, rank: int) -> logging.Logger:
+    logger = logging.getLogger(f"{LOGGER_NAME}.run{os.getpid()}")
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+    fmt = logging.Formatter("%(asctime)s %(message)s", "%Y-%m-%d %H:%M:%S")
+    if main:
+        stream = logging.StreamHandler(sys.stderr)
+        stream.setFormatter(fmt)
+        logger.addHandler(stream)
+        if work is not None:
+            file = logging.FileHandler(work / "convert.log", encoding="utf-8")
+            file.setFormatter(fmt)
+            logger.addHandler(file)
+    else:
+        logger.addHandler(logging.NullHandler())
+    return logger
+
+
+def _close_logger(logger: logging.Logger) -> None:
+    for handler in list(logger.handlers):
+        handler.close()
+        logger.removeHandler(handler)
+
+
+def _prepare_work(opts: ConvertOptions, output: Path, work: Path) -> None:
+    """Main process: check the output and work folders against overwrite/resume, write run.json."""
+    run_file = work / RUN_FILE
+    if opts.resume:
+        if not run_file.is_file():
+            raise ConversionError(
+                f"--resume: no interrupted conversion to resume in {work} (no {RUN_FILE}); run without --resume"
+            )
+        previous = json.loads(run_file.read_text())
+        mine = json.loads(json.dumps(opts.fingerprint()))
+        diff = sorted(k for k in set(previous["options"]) | set(mine) if previous["options"].get(k) != mine.get(k))
+        if diff:
+            details = "; ".join(f"{k}: {previous['options'].get(k)!r} -> {mine.get(k)!r}" for k in diff[:6])
+            raise ConversionError(
+                f"--resume: the options differ from the interrupted run in {work} ({details}). Resume with the same "
+                f"options, or start over with --overwrite."
+            )
+        return
+    if output.exists() and not opts.overwrite:
+        raise ConversionError(f"output folder {output} already exists; choose another --output or pass --overwrite")
+    if work.exists():
+        if not opts.overwrite:
+            raise ConversionError(
+                f"{work} holds an interrupted conversion; pass --resume to continue it, or --overwrite to start over"
+            )
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    ts.atomic_write_json(run_file, {"options": opts.fingerprint(), "started": time.strftime("%Y-%m-%d %H:%M:%S")})
+
+
+def _publish_folder(tmp: Path, final: Path) -> None:
+    """Move a finished folder onto ``final`` (an existing one is replaced only after the new one is complete)."""
+    old = None
+    if final.exists():
+        old = final.with_name(f".{final.name}.old-{os.getpid()}")
+        os.replace(final, old)
+    os.replace(tmp, final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _broadcast_parameters(module, names: list[str], src: int = 0) -> None:
+    import torch.distributed as dist
+
+    params = dict(module.named_parameters())
+    for name in names:
+        dist.broadcast(params[name].data, src=src)
+
+
+def _device_of(accelerator) -> torch.device:
+    return accelerator.device if accelerator.device.type != "cpu" else torch.device("cpu")
+
+
+def _load_windows(tokenizer, opts: ConvertOptions, say):
+    from .data import load_token_windows
+
+    windows = load_token_windows(tokenizer, list(opts.data), seq_len=opts.seq_len, num_train=None,
+                                 num_heldout=opts.heldout_windows, seed=opts.seed)
+    if windows.heldout.shape[0] < opts.heldout_windows:
+        raise ConversionError(f"the held-out documents give only {windows.heldout.shape[0]} windows of "
+                              f"{opts.seq_len} tokens; lower --heldout-windows or add data")
+    train = windows.train
+    if train.shape[0] < opts.train_windows:
+        say(f"data: only {train.shape[0]} training windows of {opts.seq_len} tokens available "
+            f"({opts.train_windows} asked); using all of them")
+    train = train[: opts.train_windows]
+    return train, windows.heldout, windows.info
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The conversion
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def convert(opts: ConvertOptions, accelerator=None) -> Optional[Path]:
+    """Run one conversion. Returns the output folder on the main process (None elsewhere)."""
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    accelerator = accelerator or Accelerator(cpu=opts.cpu)
+    main, rank, world = accelerator.is_main_process, accelerator.process_index, accelerator.num_processes
+    started = time.time()
+
+    teacher_id = resolve_teacher(opts.teacher, opts.recipe) if main else None
+    teacher_id = _share_string(teacher_id, accelerator)
+    output = Path(opts.output or default_output_name(teacher_id)).expanduser().resolve()
+    work = output.with_name(output.name + ".work")
+    error = None
+    if main:
+        try:
+            _prepare_work(opts, output, work)
+        except ConversionError as exc:
+            error = str(exc)
+    error = _share_string(error, accelerator)
+    if error:
+        raise ConversionError(error)
+    logger = _setup_logger(work, main, rank)
+    say = logger.info
+
+    def progress(total, desc, initial=0):
+        return ts.Progress(total, desc, enabled=main and opts.progress, initial=initial)
+
+    try:
+        say(f"aaren-convert: teacher {teacher_id} -> {output} ({world} process(es), device {accelerator.device})")
+        say(f"options: {json.dumps(opts.fingerprint(), default=str)}")
+        check_teacher_type(teacher_id)
+        set_seed(opts.seed)
+        device = _device_of(accelerator)
+        t0 = time.time()
+        tokenizer, teacher = load_teacher(teacher_id, device=device)
+        say(f"teacher: {teacher.config.model_type}, {teacher.config.num_hidden_layers} layers, "
+            f"{sum(p.numel() for p in teacher.parameters()) / 1e6:.1f}M parameters ({time.time() - t0:.1f} s)")
+
+        with accelerator.main_process_first():
+            train, heldout, data_info = _load_windows(tokenizer, opts, say)
+        say(f"data: {list(opts.data)}: {train.shape[0]} training and {heldout.shape[0]} held-out windows of "
+            f"{opts.seq_len} tokens ({data_info.get('documents')} documents, held out by document)")
+
+        student = build_student(teacher, opts.mixer)
+        say(f"student: {json.dumps({k: student.config.to_dict()[k] for k in opts.mixer})}; "
+            f"{sum(p.numel() for p in student.parameters()) / 1e6:.1f}M parameters")
+
+        # --- initialisation -------------------------------------------------------------------------------------
+        from .init import initialize_student, new_parameter_names
+
+        init_file, init_json = work / "init.safetensors", work / "init.json"
+        new_names = new_parameter_names(student)
+        if init_file.is_file() and init_json.is_file():
+            ts._load_into(student, ts.load_file(init_file))
+            init_report = json.loads(init_json.read_text())
+            say("init: loaded from the work folder (resumed)")
+        else:
+            init_report = None
+            if main:
+                t0 = time.time()
+                init_report = initialize_student(
+                    student, teacher, train[: opts.init_windows], seed=opts.seed,
+                    kmeans_iterations=opts.kmeans_iterations, decay_spread=opts.decay_spread, log=say)
+                init_report["seconds"] = round(time.time() - t0, 1)
+                params = dict(student.named_parameters())
+                ts.atomic_save_tensors(init_file, {n: params[n] for n in new_names})
+                ts.atomic_write_json(init_json, init_report)
+                say(f"init: {init_report['seconds']:.0f} s")
+            if world > 1:
+                accelerator.wait_for_everyone()
+                _broadcast_parameters(student, new_names, src=0)
+
+        # --- stage 1 --------------------------------------------------------------------------------------------
+        stage1_summary = None
+        if opts.stage1.steps > 0:
+            stage1_summary = run_stage1(student, teacher, train, heldout, opts.stage1, seed=opts.seed, work_dir=work,
+                                        accelerator=accelerator, log=say, progress_factory=progress)
+            if main:
+                ts.atomic_write_json(work / "stage1.json", stage1_summary)
+            before, after = stage1_summary["mean_heldout_fvu_before"], stage1_summary["mean_heldout_fvu_after"]
+            if after is not None:
+                say(f"stage 1 done: mean held-out FVU {before:.3f} -> {after:.3f} ({stage1_summary['seconds']:.0f} s)")
+
+        # --- stage 2 --------------------------------------------------------------------------------------------
+        stage2_summary = None
+        if opts.stage2.steps > 0:
+            student, stage2_summary = run_stage2(student, teacher, train, heldout, opts.stage2, seed=opts.seed,
+                                                 work_dir=work, accelerator=accelerator, log=say,
+                                                 progress_factory=progress)
+        student.eval()
+        if not main:
+            return None
+
+        # --- evaluation -----------------------------------------------------------------------------------------
+        results = None
+        if opts.eval:
+            results = run_evaluation(student, teacher, tokenizer, heldout, opts, data_info, say)
+
+        # --- output ---------------------------------------------------------------------------------------------
+        record = {
+            "teacher": teacher_id,
+            "options": opts.to_json(),
+            "data": data_info,
+            "init": init_report,
+            "stage1": stage1_summary,
+            "stage2": _strip_history(stage2_summary),
+            "seconds": round(time.time() - started, 1),
+            "processes": world,
+            "torch": torch.__version__,
+        }
+        _write_output(student, tokenizer, teacher, output, work, record, results, opts, say)
+        say(f"done in {time.time() - started:.0f} s: {output}")
+        _close_logger(logger)
+        if not opts.keep_work:
+            shutil.rmtree(work, ignore_errors=True)
+        return output
+    except BaseException:
+        logger.exception("conversion failed") if main else None
+        _close_logger(logger)
+        raise
+
+
+def _strip_history(summary: Optional[dict]) -> Optional[dict]:
+    if summary is None:
+        return None
+    out = dict(summary)
+    history = out.pop("history", None) or []
+    if history:  # keep a thinned loss curve
+        stride = max(1, len(history) // 50)
+        out["loss_curve"] = [h[:3] for h in history[::stride]]
+    return out
+
+
+def _share_string(value: Optional[str], accelerator) -> Optional[str]:
+    """Send a short string from the main process to every process (as bytes in a tensor; no pickling)."""
+    if accelerator.num_processes == 1:
+        return value
+    import torch.distributed as dist
+
+    data = (value or "").encode() if accelerator.is_main_process else b""
+    size = torch.tensor([len(data) + (1 if value is not None and accelerator.is_main_process else 0)])
+    dist.broadcast(size, src=0)
+    n = int(size)
+    if n == 0:
+        return None
+    buf = torch.zeros(n, dtype=torch.uint8)
+    if accelerator.is_main_process:
+        buf[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+    dist.broadcast(buf, src=0)
+    return bytes(buf[: n - 1].tolist()).decode()
+
+
+def run_evaluation(student, teacher, tokenizer, heldout, opts: ConvertOptions, data_info: dict, say) -> Optional[dict]:
+    try:
+        from .evaluate import evaluate
+    except ImportError as error:
+        say(f"evaluation skipped: aaren_hf.conversion.evaluate is not available ({error})")
+        return None
+    windows = heldout[: opts.eval_windows] if opts.eval_windows else heldout
+    t0 = time.time()
+    say(f"evaluation: {windows.shape[0]} held-out windows of {windows.shape[1]} tokens"
+        + (" (quick)" if opts.eval_quick else ""))
+    results = evaluate(student, teacher, tokenizer, windows, sinks=max(1, student.config.num_sink_tokens),
+                       recall_distances=tuple(opts.recall_distances), recall_trials=opts.recall_trials,
+                       quick=opts.eval_quick, seed=opts.seed, text_source=", ".join(map(str, opts.data)),
+                       log=say)
+    say(f"evaluation: {time.time() - t0:.0f} s")
+    try:
+        from .evaluate import format_table
+
+        say("\n" + format_table(results))
+    except ImportError:
+        pass
+    return results
+
+
+def _write_output(student, tokenizer, teacher, output: Path, work: Path, record: dict, results: Optional[dict],
+                  opts: ConvertOptions, say) -> None:
+    import copy
+
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
+    try:
+        generation = copy.deepcopy(getattr(teacher, "generation_config", None))
+        if generation is not None:
+            student.generation_config = generation
+        student.config.architectures = ["AarenForCausalLM"]
+        student.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        if not (tmp / "generation_config.json").is_file() and student.generation_config is not None:
+            student.generation_config.save_pretrained(tmp)
+        ts.atomic_write_json(tmp / "conversion.json", record)
+        if results is not None:
+            ts.atomic_write_json(tmp / "evaluation.json", results)
+        try:
+            from .model_card import write_model_card
+
+            write_model_card(tmp, _recipe_info(record, student, opts), results, model_name=output.name)
+        except ImportError as error:
+            say(f"model card skipped: aaren_hf.conversion.model_card is not available ({error})")
+        log_file = work / "convert.log"
+        if log_file.is_file():
+            shutil.copyfile(log_file, tmp / "conversion.log")
+        for path in [tmp, *tmp.rglob("*")]:
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        _publish_folder(tmp, output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    say(f"saved {output}")
+
+
+def _recipe_info(record: dict, student, opts: ConvertOptions) -> dict:
+    s1, s2 = record.get("stage1"), record.get("stage2")
+    T = opts.seq_len
+    stages = [{"name": "init", "what": "query slots = k-means of the teacher's queries; decay from mean attention "
+                                       "distance; window gates from the attention mass inside the window",
+               "calibration windows": opts.init_windows}]
+    if s1:
+        stages.append({"name": "stage 1: attention transfer", "steps per layer": opts.stage1.steps,
+                       "windows": min(opts.stage1.windows or opts.train_windows, opts.train_windows),
+                       "lr": opts.stage1.lr,
+                       "mean held-out FVU": f"{s1['mean_heldout_fvu_before']:.3f} -> {s1['mean_heldout_fvu_after']:.3f}"
+                       if s1.get("mean_heldout_fvu_after") is not None else None})
+    if s2:
+        stages.append({"name": "stage 2: logit distillation (KL)", "steps": opts.stage2.steps,
+                       "batch (windows)": opts.stage2.batch_size, "lr": opts.stage2.lr,
+                       "trainable": opts.stage2.trainable, "ce weight": opts.stage2.ce_weight,
+                       "held-out KL": (f"{s2['heldout_kl_before']:.3f} -> {s2['heldout_kl_after']:.3f}"
+                                       if s2.get("heldout_kl_after") is not None and s2.get("heldout_kl_before")
+                                       is not None else None)})
+    tokens = (opts.stage2.steps * opts.stage2.batch_size * T if s2 else 0)
+    tokens += (min(opts.stage1.windows or opts.train_windows, opts.train_windows) * T if s1 else 0)
+    info = {
+        "teacher": record["teacher"],
+        "data": ", ".join(map(str, opts.data)),
+        "tokens": tokens,
+        "stages": stages,
+        "options": {"seq_len": T, "seed": opts.seed, **opts.mixer},
+        "student_config": student.config.to_dict(),
+        "command": " ".join(["aaren-convert", *sys.argv[1:]]) if Path(sys.argv[0]).name in ("aaren-convert", "cli.py")
+        else None,
+        "conversion time": f"{record['seconds'] / 60:.1f} min on {record['processes']} process(es)",
+    }
+    if opts.recipe:
+        info["recipe"] = opts.recipe
+    return {k: v for k, v in info.items() if v is not None}

@@ -1,0 +1,219 @@
+# Copyright 2026 The aaren-hf authors. Apache-2.0.
+"""Model card (README.md) for a converted Aaren checkpoint: YAML front matter for the Hub, how to load it, the
+conversion recipe and the evaluation tables of :func:`aaren_hf.conversion.evaluate.format_table`."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+from .evaluate import format_table
+
+__all__ = ["write_model_card", "render_model_card", "teacher_hub_info"]
+
+TAGS = ["aaren", "linear-attention", "recurrent", "distillation"]
+
+# Known teacher families: (pattern on the teacher's name, hub organisation, license on the Hub).
+_KNOWN_TEACHERS = (
+    (r"^smollm2-", "HuggingFaceTB", "apache-2.0"),
+    (r"^smollm-", "HuggingFaceTB", "apache-2.0"),
+    (r"^gpt2(-medium|-large|-xl)?$", "openai-community", "mit"),
+    (r"^distilgpt2$", "distilbert", "apache-2.0"),
+    (r"^pythia-", "EleutherAI", "apache-2.0"),
+    (r"^qwen2\.5-(0\.5b|1\.5b|7b|14b|32b)", "Qwen", "apache-2.0"),
+)
+
+
+def teacher_hub_info(teacher: Optional[str]) -> dict:
+    """Hub name, license and provenance of a teacher given as a hub name ("owner/name") or a local folder.
+
+    A local folder of the packaged teacher (see ``aaren_hf.conversion.assets``) is recognised by its name and its
+    ``aaren_teacher.json``; the hub name is then the model it was made from. Unknown teachers: license "unknown"."""
+    info = {"hub_name": None, "license": None, "source": None}
+    if not teacher:
+        return info
+    text = str(teacher)
+    path = Path(text).expanduser()
+    local = path.is_dir()
+    name = path.name if local else text.rstrip("/").split("/")[-1]
+    if local:
+        marker = path / "aaren_teacher.json"
+        if marker.is_file():
+            try:
+                info["source"] = json.loads(marker.read_text()).get("source")
+            except (OSError, ValueError):
+                pass
+    elif re.fullmatch(r"[\w.-]+/[\w.-]+", text):
+        info["hub_name"] = text
+    for pattern, org, license_id in _KNOWN_TEACHERS:
+        if re.search(pattern, name.lower()):
+            info["license"] = license_id
+            if info["hub_name"] is None:
+                info["hub_name"] = f"{org}/{name}"
+            break
+    return info
+
+
+def _front_matter(recipe_info: dict) -> dict:
+    teacher = recipe_info.get("teacher")
+    info = teacher_hub_info(teacher)
+    base_model = recipe_info.get("base_model") or info["hub_name"]
+    license_id = recipe_info.get("license") or info["license"] or "unknown"
+    meta = {}
+    if base_model:
+        meta["base_model"] = base_model
+    meta["license"] = license_id
+    meta["library_name"] = "transformers"
+    meta["pipeline_tag"] = "text-generation"
+    meta["tags"] = list(TAGS) + [t for t in recipe_info.get("tags", []) if t not in TAGS]
+    return meta
+
+
+def _value(v) -> str:
+    if isinstance(v, (dict, list, tuple)):
+        return "`" + json.dumps(v, default=str) + "`"
+    return str(v).replace("|", "\\|").replace("\n", " ")
+
+
+def _format_tokens(n) -> str:
+    if isinstance(n, (int, float)) and not isinstance(n, bool):
+        for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+            if n >= scale:
+                return f"{n / scale:.3g}{unit} ({int(n)})"
+        return str(int(n))
+    return str(n)
+
+
+def _student_summary(cfg: dict) -> str:
+    if not cfg:
+        return ""
+    parts = [f"{cfg.get('num_hidden_layers')} layers", f"hidden {cfg.get('hidden_size')}",
+             f"{cfg.get('num_attention_heads')} heads ({cfg.get('num_key_value_heads')} key/value heads)",
+             f"{cfg.get('num_query_slots', 1)} query slot(s) per head", f"decay {cfg.get('decay', 'none')}"]
+    if cfg.get("window_size"):
+        parts.append(f"softmax window of {cfg['window_size']} tokens with {cfg.get('num_sink_tokens', 0)} sink(s), "
+                     f"gate per {cfg.get('window_gate', 'head')}")
+    else:
+        parts.append("no softmax window")
+    return ", ".join(str(p) for p in parts)
+
+
+def render_model_card(recipe_info: dict, results: Optional[dict], model_name: Optional[str] = None) -> str:
+    """The README.md text. ``recipe_info`` keys (all optional): ``teacher`` (hub name or local folder),
+    ``base_model`` / ``license`` (override what is inferred from the teacher), ``model_name``, ``data`` (text
+    source), ``tokens`` (training tokens), ``stages`` (list of str or dicts), ``options`` (dict), ``student_config``
+    (dict, e.g. ``config.to_dict()``), ``command``, ``notes``, ``tags``; other keys are listed as they are.
+    ``results``: an :func:`~aaren_hf.conversion.evaluate.evaluate` result, or None."""
+    recipe_info = dict(recipe_info or {})
+    meta = _front_matter(recipe_info)
+    teacher = recipe_info.get("teacher")
+    info = teacher_hub_info(teacher)
+    teacher_label = meta.get("base_model") or (Path(str(teacher)).name if teacher else "a pretrained Transformer")
+    name = model_name or recipe_info.get("model_name") or "Aaren student"
+    student_cfg = recipe_info.get("student_config") or {}
+
+    lines = ["---", yaml.safe_dump(meta, sort_keys=False).rstrip(), "---", "", f"# {name}", ""]
+    lines.append(
+        f"An [Aaren](https://arxiv.org/abs/2405.13956) (\"Attention as an RNN\") language model converted from "
+        f"**{teacher_label}** by distillation with [aaren-hf](https://pypi.org/project/aaren-hf/). Each softmax "
+        "attention layer is replaced by an Aaren mixer that keeps a fixed-size recurrent state, so generation needs "
+        "the same memory at every context length instead of a key/value cache that grows with it."
+    )
+    summary = _student_summary(student_cfg)
+    if summary:
+        lines += ["", f"Architecture: {summary}."]
+    if info.get("source"):
+        lines += ["", f"Teacher weights: {info['source']} (4-bit rounded weights expanded to float, not bit-identical "
+                      "to the original checkpoint)." if "gguf" in str(info["source"]).lower() else
+                  f"Teacher weights: {info['source']}."]
+    if meta["license"] == "unknown":
+        lines += ["", "License: unknown here; check the teacher's license, which this model inherits."]
+
+    lines += ["", "## How to load", "", "```python",
+              "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
+              'path = "path/or/hub-name/of/this/model"',
+              "tokenizer = AutoTokenizer.from_pretrained(path)",
+              "model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)",
+              'inputs = tokenizer("The capital of France is", return_tensors="pt")',
+              "out = model.generate(**inputs, max_new_tokens=20, do_sample=False)",
+              "print(tokenizer.decode(out[0], skip_special_tokens=True))", "```", "",
+              "The modelling code travels with the weights (`trust_remote_code=True`); with `aaren-hf` installed, "
+              "`import aaren_hf` registers the model class and `trust_remote_code` is not needed. The cache returned "
+              "by `generate` is an `AarenCache` (fixed size; it cannot be cropped, so assisted decoding is not "
+              "supported)."]
+
+    lines += ["", "## Conversion recipe", "", "| | |", "|---|---|"]
+    if teacher:
+        lines.append(f"| teacher | {_value(teacher_label)}" + (f" (loaded from `{teacher}`)" if str(teacher) != teacher_label else "") + " |")
+    known = {"teacher", "base_model", "license", "model_name", "stages", "options", "student_config", "tags",
+             "notes", "command"}
+    for key in ("data", "tokens"):
+        if key in recipe_info:
+            value = _format_tokens(recipe_info[key]) if key == "tokens" else _value(recipe_info[key])
+            lines.append(f"| {key} | {value} |")
+            known.add(key)
+    for key, value in recipe_info.items():
+        if key not in known:
+            lines.append(f"| {_value(key)} | {_value(value)} |")
+    stages = recipe_info.get("stages") or []
+    if stages:
+        lines += ["", "Stages:", ""]
+        for i, stage in enumerate(stages, 1):
+            if isinstance(stage, dict):
+                title = stage.get("name", f"stage {i}")
+                rest = ", ".join(f"{k}: {_value(v)}" for k, v in stage.items() if k != "name")
+                lines.append(f"{i}. **{title}**" + (f": {rest}" if rest else ""))
+            else:
+                lines.append(f"{i}. {stage}")
+    options = recipe_info.get("options") or {}
+    if options:
+        lines += ["", "Options:", "", "| option | value |", "|---|---|"]
+        lines += [f"| {_value(k)} | {_value(v)} |" for k, v in options.items()]
+    if recipe_info.get("command"):
+        lines += ["", "Command:", "", "```bash", str(recipe_info["command"]), "```"]
+    if recipe_info.get("notes"):
+        lines += ["", str(recipe_info["notes"])]
+
+    lines += ["", "## Evaluation", ""]
+    if results:
+        lines.append(format_table(results).rstrip())
+        lines += ["", "Perplexity depends on the window length, the stride and the text: the numbers above compare "
+                  "teacher, student and baseline on exactly the same windows and are not comparable to numbers "
+                  "measured in another setting. The StreamingLLM baseline is the teacher itself, untrained, seeing "
+                  "only its sink tokens and the last W tokens; its W is chosen so that its key/value bytes equal the "
+                  "student's state bytes (equal memory)."]
+    else:
+        lines.append("Not evaluated.")
+
+    lines += ["", "## Limitations", "",
+              "- A converted model inherits its teacher's data, biases and license, and adds the conversion's own "
+              "errors: long-range recall and knowledge-heavy tasks are where conversions lose most.",
+              "- Evaluated on the text and settings stated above only."]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def write_model_card(output_dir, recipe_info: dict, results: Optional[dict], model_name: Optional[str] = None) -> Path:
+    """Write ``output_dir/README.md`` atomically (temporary file in the same folder, then ``os.replace``)."""
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    text = render_model_card(recipe_info, results, model_name=model_name or output_dir.name)
+    final = output_dir / "README.md"
+    fd, tmp = tempfile.mkstemp(prefix=".README.", suffix=".tmp", dir=output_dir)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, final)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return final
+

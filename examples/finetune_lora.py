@@ -1,0 +1,401 @@
+# Copyright 2026 The aaren-hf authors. Apache-2.0.
+"""LoRA fine-tuning of a converted Aaren checkpoint with PEFT and the Transformers Trainer.
+
+    python examples/finetune_lora.py                                   # python-docs corpus, small CPU defaults
+    python examples/finetune_lora.py --text-file my.txt --max-steps 200 --seq-len 512
+    python examples/finetune_lora.py --list-targets                    # the LoRA target names this model has
+    python examples/finetune_lora.py --target-modules mixer.k_proj mixer.v_proj mlp.down_proj
+    torchrun --nproc_per_node 2 examples/finetune_lora.py ...          # several CPU processes (gloo)
+    accelerate launch examples/finetune_lora.py ...                    # GPUs
+
+Steps: held-out perplexity of the base model; LoRA training (gradient checkpointing on); the adapter is saved to
+OUTPUT/adapter, reloaded with AutoPeftModelForCausalLM (trust_remote_code=True), merged with merge_and_unload and
+saved with a model card to OUTPUT/merged (ready for examples/push_to_hub.py); held-out perplexity after.
+
+Text: the packaged python-docs corpus (aaren_hf.conversion.assets) unless --text-file is given (.txt: one
+document; .jsonl: one {"text": ...} document per line). Every 10th document is held out (or the last 10% of the
+tokens when there are fewer than 10 documents).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_MODEL = "outputs/SmolLM2-135M-Instruct-aaren"
+HOLDOUT_EVERY = 10
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# LoRA target names
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def linear_module_names(model) -> dict[str, list[str]]:
+    """Short names of the nn.Linear layers ("mixer.q_proj", "mlp.up_proj", "lm_head") -> full module names."""
+    from torch import nn
+
+    names: dict[str, list[str]] = {}
+    for full, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            parts = full.split(".")
+            short = ".".join(parts[-2:]) if len(parts) >= 2 and parts[-2] in ("mixer", "mlp") else parts[-1]
+            names.setdefault(short, []).append(full)
+    return names
+
+
+def valid_target_names(model) -> list[str]:
+    """Every name accepted by --target-modules: the block linears as "mixer.x" / "mlp.x", their bare leaf names
+    ("x", which matches that leaf in the mixer and the MLP alike) and "lm_head"."""
+    shorts = linear_module_names(model)
+    leaves = {short.split(".")[-1] for short in shorts}
+    return sorted(set(shorts) | leaves)
+
+
+def default_target_modules(model) -> list[str]:
+    """All mixer and MLP linears present in this model (which depends on the config: q_proj only with query slots
+    or a window, decay_proj only with input-dependent decay, gate/up/down or fc_in/fc_out by MLP type)."""
+    return sorted(short for short in linear_module_names(model) if short.startswith(("mixer.", "mlp.")))
+
+
+def resolve_target_modules(model, requested=None) -> list[str]:
+    """Check the requested LoRA targets against the model; a name matching no linear layer is an error that lists
+    the valid names (PEFT itself only complains when *no* name matches, and silently skips the others)."""
+    if not requested:
+        return default_target_modules(model)
+    requested = [name for item in requested for name in item.split(",") if name]
+    full_names = [full for fulls in linear_module_names(model).values() for full in fulls]
+    unknown = [name for name in requested
+               if not any(full == name or full.endswith("." + name) for full in full_names)]
+    if unknown:
+        arch = type(model).__name__
+        raise ValueError(
+            f"LoRA target module(s) {unknown} not found in this {arch}. Valid names: {', '.join(valid_target_names(model))}. "
+            "(Aaren blocks have mixer.{q_proj (only with query slots or a window), k_proj, v_proj, o_proj, decay_proj "
+            "(input decay), gate_proj (input window gate)} and mlp.{gate_proj, up_proj, down_proj} or mlp.{fc_in, fc_out}; "
+            "there is no self_attn/attn/c_attn.)"
+        )
+    return requested
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Data
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def load_documents(text_files=None, corpus="python-docs") -> tuple[list[str], str]:
+    """(documents, description). --text-file wins; else the packaged corpus, prepared when missing."""
+    if not text_files:
+        try:
+            from aaren_hf.conversion.assets import AssetError, packaged_text_files
+        except ImportError as error:
+            raise SystemExit(f"error: the packaged corpus needs aaren_hf.conversion ({error}); pass --text-file") from error
+        try:
+            text_files = [str(p) for p in packaged_text_files(corpus)]
+        except AssetError as error:
+            raise SystemExit(f"error: packaged corpus {corpus!r} is not available: {error}\nPass --text-file.") from error
+        description = f"packaged {corpus} corpus"
+    else:
+        description = ", ".join(text_files)
+    documents = []
+    for name in text_files:
+        path = Path(name)
+        if path.suffix == ".jsonl":
+            with open(path, encoding="utf-8") as handle:
+                documents += [json.loads(line)["text"] for line in handle if line.strip()]
+        else:
+            documents.append(path.read_text(encoding="utf-8", errors="replace"))
+    documents = [d for d in documents if d.strip()]
+    if not documents:
+        raise SystemExit(f"error: no text in {description}")
+    return documents, description
+
+
+def token_blocks(tokenizer, documents, seq_len, max_blocks):
+    """Concatenate documents (each followed by EOS) and cut into at most max_blocks blocks of seq_len tokens.
+    Documents are tokenized only as far as needed."""
+    import torch
+
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    ids: list[int] = []
+    need = seq_len * max_blocks
+    for start in range(0, len(documents), 32):
+        for doc_ids in tokenizer(documents[start:start + 32], add_special_tokens=False)["input_ids"]:
+            ids += doc_ids + eos
+        if len(ids) >= need:
+            break
+    n = min(len(ids) // seq_len, max_blocks)
+    return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
+
+
+def split_blocks(tokenizer, documents, seq_len, train_blocks, eval_blocks):
+    """(train [N, L], held-out [M, L]) token blocks; every HOLDOUT_EVERY-th document is held out."""
+    if len(documents) >= HOLDOUT_EVERY:
+        held = [d for i, d in enumerate(documents) if i % HOLDOUT_EVERY == HOLDOUT_EVERY - 1]
+        train = [d for i, d in enumerate(documents) if i % HOLDOUT_EVERY != HOLDOUT_EVERY - 1]
+        return (token_blocks(tokenizer, train, seq_len, train_blocks),
+                token_blocks(tokenizer, held, seq_len, eval_blocks))
+    blocks = token_blocks(tokenizer, documents, seq_len, train_blocks + eval_blocks)
+    n_eval = max(1, min(eval_blocks, len(blocks) // HOLDOUT_EVERY))
+    return blocks[:-n_eval], blocks[-n_eval:]
+
+
+class BlockDataset:
+    """Causal-LM examples from fixed-length blocks (labels = inputs; the model shifts them)."""
+
+    def __init__(self, blocks):
+        self.blocks = blocks
+
+    def __len__(self):
+        return len(self.blocks)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.blocks[i], "labels": self.blocks[i]}
+
+
+def checkpoint_dtype(model_path):
+    """The torch dtype a local checkpoint was saved in (config.json "dtype"), or None."""
+    import torch
+
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    name = config.get("dtype") or config.get("torch_dtype")
+    return getattr(torch, name, None) if isinstance(name, str) else None
+
+
+def perplexity(model, blocks, batch_size=4) -> float:
+    """exp(mean next-token NLL) over held-out blocks (equal lengths, so the batch means average exactly)."""
+    import torch
+
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(blocks), batch_size):
+            batch = blocks[start:start + batch_size].to(device)
+            loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+            n = batch.shape[0] * (batch.shape[1] - 1)
+            total += float(loss) * n
+            count += n
+    model.train(was_training)
+    return math.exp(total / max(count, 1))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Model card of the merged model
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def write_merged_card(base_path, merged_dir, info: dict, base_model_id=None):
+    """README.md with metadata for the merged fine-tune, inheriting base_model/license/tags from the converted
+    model's card when it has one."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    base_data = {}
+    card_path = Path(base_path) / "README.md"
+    if card_path.is_file():
+        try:
+            base_data = ModelCard.load(card_path).data.to_dict()
+        except Exception:  # a card without YAML: keep the defaults below
+            base_data = {}
+    tags = list(dict.fromkeys((base_data.get("tags") or []) + ["aaren", "lora", "peft"]))
+    data = ModelCardData(
+        base_model=base_model_id or base_data.get("base_model") or str(base_path),
+        license=base_data.get("license") or "apache-2.0",
+        library_name="transformers",
+        pipeline_tag="text-generation",
+        tags=tags,
+    )
+    body = f"""
+# {Path(merged_dir).parent.name} (merged LoRA fine-tune)
+
+An Aaren ("Attention as an RNN") causal LM: `{base_path}` fine-tuned with LoRA (rank {info['rank']}) on
+{info['data']} for {info['steps']} steps of {info['seq_len']}-token blocks, then merged into the weights.
+LoRA targets: {info['targets']}.
+
+| held-out perplexity | before | after |
+| --- | --- | --- |
+| {info['eval_blocks']} blocks of {info['seq_len']} tokens | {info['ppl_before']:.2f} | {info['ppl_after']:.2f} |
+
+The modeling code is included: load with
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model = AutoModelForCausalLM.from_pretrained("REPO_OR_FOLDER", trust_remote_code=True)
+tokenizer = AutoTokenizer.from_pretrained("REPO_OR_FOLDER", trust_remote_code=True)  # it reads config.json too
+```
+"""
+    card = ModelCard(f"---\n{data.to_yaml()}\n---\n{body}")
+    card.save(Path(merged_dir) / "README.md")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Main
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n", 2)[2])
+    parser.add_argument("--model", default=DEFAULT_MODEL, help=f"converted checkpoint folder (default: {DEFAULT_MODEL})")
+    parser.add_argument("--output-dir", default=None, help="default: outputs/<model name>-lora")
+    parser.add_argument("--text-file", action="append", help=".txt or .jsonl training text (repeatable); default: "
+                                                              "the packaged corpus")
+    parser.add_argument("--corpus", default="python-docs", help="packaged corpus when no --text-file (python-docs, "
+                                                                "kernel-docs, perl-docs)")
+    parser.add_argument("--target-modules", nargs="+", default=None,
+                        help="LoRA targets, e.g. mixer.k_proj mlp.down_proj (default: every mixer and MLP linear)")
+    parser.add_argument("--list-targets", action="store_true", help="print the valid target names and exit")
+    parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--alpha", type=float, default=16)
+    parser.add_argument("--dropout", type=float, default=0.05)
+    parser.add_argument("--max-steps", type=int, default=20)
+    parser.add_argument("--batch-size", type=int, default=4, help="per process")
+    parser.add_argument("--grad-accum", type=int, default=1)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--eval-blocks", type=int, default=8, help="held-out blocks of --seq-len tokens")
+    parser.add_argument("--no-gradient-checkpointing", action="store_true")
+    parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision (GPUs)")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="load the base model with the code saved in its folder instead of importing aaren_hf")
+    parser.add_argument("--base-model-id", default=None, help="hub id of the converted model, for the merged card")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+
+    import torch
+    from accelerate import PartialState
+    from peft import AutoPeftModelForCausalLM, LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments, set_seed
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    model_path = args.model
+    if os.path.isdir(model_path):
+        model_path = os.path.abspath(model_path)  # the adapter config records it: reloadable from any folder
+    elif model_path == DEFAULT_MODEL or model_path.startswith((".", "/", "~")):
+        raise SystemExit(f"error: {model_path} does not exist. Convert a model first (the README's `aaren-convert` "
+                         "command) or pass --model FOLDER.")
+    if not args.trust_remote_code:
+        import aaren_hf  # noqa: F401  (registers the Auto classes)
+
+    state = PartialState(cpu=not torch.cuda.is_available())  # torchrun/accelerate launch: one per process
+    main_process = state.is_main_process
+    log = print if main_process else (lambda *a, **k: None)
+    set_seed(args.seed)
+    output_dir = Path(args.output_dir or f"outputs/{Path(model_path).name}-lora")
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=args.trust_remote_code)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, trust_remote_code=args.trust_remote_code)
+    if args.list_targets:
+        log("valid LoRA target names:", ", ".join(valid_target_names(model)))
+        log("default targets:", ", ".join(default_target_modules(model)))
+        return None
+    try:
+        targets = resolve_target_modules(model, args.target_modules)
+    except ValueError as error:
+        raise SystemExit(f"error: {error}") from error
+
+    documents, data_desc = load_documents(args.text_file, args.corpus)
+    tokens_per_step = args.batch_size * args.grad_accum * state.num_processes
+    train_blocks, eval_blocks = split_blocks(tokenizer, documents, args.seq_len, args.max_steps * tokens_per_step,
+                                             args.eval_blocks)
+    if len(train_blocks) == 0 or len(eval_blocks) == 0:
+        raise SystemExit(f"error: not enough text in {data_desc} for blocks of {args.seq_len} tokens")
+    log(f"data: {data_desc}: {len(documents)} documents -> {len(train_blocks)} train / {len(eval_blocks)} held-out "
+        f"blocks of {args.seq_len} tokens")
+
+    ppl_before = None
+    if main_process:
+        ppl_before = perplexity(model.to(state.device), eval_blocks)
+        log(f"held-out perplexity before: {ppl_before:.3f}", flush=True)
+    state.wait_for_everyone()
+
+    lora = LoraConfig(r=args.rank, lora_alpha=args.alpha, lora_dropout=args.dropout, target_modules=targets,
+                      task_type="CAUSAL_LM")
+    model = get_peft_model(model, lora)
+    if main_process:
+        trainable, total = model.get_nb_trainable_parameters()
+        log(f"LoRA on {', '.join(targets)}: {trainable:,} trainable of {total:,} parameters")
+
+    bf16 = args.bf16 and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    training_args = TrainingArguments(
+        output_dir=str(output_dir / "trainer"),
+        max_steps=args.max_steps,
+        per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=args.grad_accum,
+        learning_rate=args.lr,
+        lr_scheduler_type="cosine",
+        warmup_steps=max(1, args.max_steps // 10),
+        logging_steps=max(1, args.max_steps // 10),
+        save_strategy="no",
+        report_to=[],
+        activation_checkpointing=not args.no_gradient_checkpointing,  # = gradient_checkpointing (renamed in 5.x)
+        activation_checkpointing_kwargs={"use_reentrant": False},
+        bf16=bf16,
+        use_cpu=not torch.cuda.is_available(),
+        ddp_find_unused_parameters=False,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        seed=args.seed,
+    )
+    trainer = Trainer(model=model, args=training_args, train_dataset=BlockDataset(train_blocks))
+    start = time.perf_counter()
+    result = trainer.train()
+    log(f"trained {result.global_step} steps in {time.perf_counter() - start:.1f} s "
+        f"({state.num_processes} process(es)); final train loss {result.training_loss:.4f}")
+
+    adapter_dir, merged_dir = output_dir / "adapter", output_dir / "merged"
+    trainer.save_model(str(adapter_dir))  # the adapter only (on the main process)
+    state.wait_for_everyone()
+    if not main_process:
+        return None
+    try:
+        (output_dir / "trainer").rmdir()  # Trainer's output_dir; empty with save_strategy="no"
+    except OSError:
+        pass
+
+    # Reload as a user would: the adapter folder names its base model; the base loads with its saved code.
+    reloaded = AutoPeftModelForCausalLM.from_pretrained(str(adapter_dir), trust_remote_code=True, dtype=torch.float32)
+    reloaded.eval()
+    probe = eval_blocks[:2]
+    with torch.no_grad():
+        logits_adapter = reloaded(input_ids=probe, use_cache=False).logits
+    merged = reloaded.merge_and_unload()
+    with torch.no_grad():
+        logits_merged = merged(input_ids=probe, use_cache=False).logits
+    diff = (logits_adapter - logits_merged).abs().max().item()
+    ppl_after = perplexity(merged, eval_blocks)
+    log(f"adapter: {adapter_dir} (reloaded with AutoPeftModelForCausalLM; merged vs adapter logits max |diff| {diff:.2e})")
+    log(f"held-out perplexity before: {ppl_before:.3f}  after: {ppl_after:.3f}")
+
+    saved_dtype = checkpoint_dtype(model_path)
+    if saved_dtype is not None and saved_dtype != torch.float32:
+        merged = merged.to(saved_dtype)  # trained in float32; saved in the base checkpoint's dtype
+    merged.save_pretrained(str(merged_dir))
+    tokenizer.save_pretrained(str(merged_dir))
+    info = dict(targets=", ".join(targets), rank=args.rank, data=data_desc, steps=result.global_step,
+                seq_len=args.seq_len, eval_blocks=len(eval_blocks), ppl_before=ppl_before, ppl_after=ppl_after)
+    write_merged_card(model_path, merged_dir, info, args.base_model_id)
+    log(f"merged model: {merged_dir} (upload with: python examples/push_to_hub.py {merged_dir} --dry-run)")
+    return {"ppl_before": ppl_before, "ppl_after": ppl_after, "merge_diff": diff, "adapter_dir": str(adapter_dir),
+            "merged_dir": str(merged_dir), "targets": targets}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""Tiny models and independent references shared by the test files (not collected by pytest: no test_ prefix).
+
+Import as ``from helpers import ...`` (pytest puts this folder on sys.path, as the folder has no __init__.py).
+
+Test modules import ``aaren_hf`` before ``transformers``: run from the repository root, the top-level ``kernels/``
+folder (installed as ``aaren_hf.kernels``) shadows the Hugging Face ``kernels`` package, which ``transformers``
+probes by importing it; that import goes back into ``aaren_hf`` and fails if ``transformers`` is only half imported.
+"""
+
+import math
+
+import pytest
+import torch
+
+import aaren_hf  # noqa: F401  (registers the Auto classes)
+from aaren_hf import AarenCache, AarenConfig, AarenForCausalLM
+
+VOCAB = 64
+PAD = 0
+
+# One entry per mixer/block option, alone and combined. Window W = 4 or 5, so prompts of 3 and 13+ tokens are
+# shorter and longer than the window.
+GPT2_LIKE = dict(
+    norm_type="layernorm", mlp_type="plain", hidden_act="gelu_new", position_embedding_type="learned",
+    max_position_embeddings=64, attention_bias=True, mlp_bias=True, partial_rotary_factor=0.0,
+)
+MIXER_CASES = {
+    "paper": {},
+    "slots3": dict(num_query_slots=3),
+    "decay_fixed": dict(decay="fixed"),
+    "decay_learned": dict(decay="learned"),
+    "decay_input": dict(decay="input"),
+    "window": dict(window_size=4),
+    "window_sinks": dict(window_size=4, num_sink_tokens=2),
+    "window_gate_input": dict(window_size=4, window_gate="input"),
+    "window_sinks_gate_input": dict(window_size=5, num_sink_tokens=3, window_gate="input"),
+    "qk_norm": dict(qk_norm=True),
+    "qk_norm_window": dict(qk_norm=True, window_size=4, num_sink_tokens=1),
+    "parallel_residual": dict(parallel_residual=True),
+    "gpt2_like_window": dict(GPT2_LIKE, window_size=4),
+    "partial_rotary": dict(window_size=4, num_sink_tokens=2, partial_rotary_factor=0.5),
+    "gqa_slots_window": dict(num_key_value_heads=2, num_query_slots=2, window_size=4, num_sink_tokens=1),
+    "everything": dict(
+        GPT2_LIKE, num_key_value_heads=2, num_query_slots=2, decay="input", window_size=4, num_sink_tokens=2,
+        window_gate="input", qk_norm=True, parallel_residual=True, partial_rotary_factor=0.5,
+    ),
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors gain nothing from intra-op threads, and on a shared 2-core machine the thread pool's waits cost
+    more than the work. Import this fixture into a test module to run that module single-threaded."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_config(**overrides) -> AarenConfig:
+    kwargs = dict(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        chunk_size=4, initializer_range=0.2, pad_token_id=PAD, bos_token_id=None, eos_token_id=None,
+    )
+    kwargs.update(overrides)
+    return AarenConfig(**kwargs)
+
+
+@torch.no_grad()
+def randomize_options(model: torch.nn.Module, seed: int = 0) -> None:
+    """Give every option parameter a value far from its (often neutral) initialisation, so that a bug in that option
+    changes the outputs: decay rates 0.05-0.7 per token, non-zero input projections for decay and gate, gates away
+    from 0.5, norm weights away from 1."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(t, scale=1.0):
+        return torch.randn(t.shape, generator=gen) * scale
+
+    for name, p in model.named_parameters():
+        if name.endswith("log_decay"):
+            p.copy_(torch.empty(p.shape).uniform_(math.log(0.05), math.log(0.7), generator=gen))
+        elif ".mixer.decay_proj." in name or (".mixer.gate_proj." in name):
+            p.copy_(rand(p, 0.3))
+        elif name.endswith("window_gate"):
+            p.copy_(rand(p))
+        elif "norm" in name and name.endswith("weight"):
+            p.copy_(1.0 + rand(p, 0.2))
+        elif "norm" in name and name.endswith("bias"):
+            p.copy_(rand(p, 0.1))
+
+
+def tiny_model(seed: int = 0, **overrides) -> AarenForCausalLM:
+    torch.manual_seed(seed)
+    model = AarenForCausalLM(tiny_config(**overrides))
+    randomize_options(model, seed)
+    return model.eval()
+
+
+def random_ids(batch: int, length: int, seed: int = 0) -> torch.LongTensor:
+    return torch.randint(1, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def incremental_logits(model, ids: torch.LongTensor, pieces=()) -> torch.Tensor:
+    """Feed ``ids`` through one AarenCache: first the given piece lengths, then one token at a time."""
+    cache = AarenCache(model.config)
+    out, t = [], 0
+    for n in pieces:
+        out.append(model(ids[:, t : t + n], past_key_values=cache, use_cache=True).logits)
+        t += n
+    while t < ids.shape[1]:
+        out.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
+        t += 1
+    assert cache.get_seq_length() == ids.shape[1]
+    return torch.cat(out, 1)
+
+
+def left_pad(prompts, pad_id: int = PAD):
+    """List of 1-D LongTensors -> (ids [B, T], attention_mask [B, T]) padded on the left."""
+    T = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), T), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(prompts), T, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, T - len(p) :] = p
+        mask[i, T - len(p) :] = 1
+    return ids, mask
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Independent references (float64, written from the docs, not from the implementation)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def rope(x: torch.Tensor, position: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary embedding written with complex numbers: channel i pairs with i + rot/2. x [..., D]."""
+    half = inv_freq.shape[0]
+    if half == 0:
+        return x
+    angle = position.double().unsqueeze(-1) * inv_freq.double()
+    z = torch.complex(x[..., :half].double(), x[..., half : 2 * half].double()) * torch.polar(
+        torch.ones_like(angle), angle
+    )
+    return torch.cat([z.real, z.imag, x[..., 2 * half :].double()], -1)
+
+
+def brute_force_window(q, k, v, pos, window, num_sinks, inv_freq, scale):
+    """T x T masked softmax: query at position p sees the real keys at positions (p - W, p] with both rotated at
+    their own position, plus sinks (positions < S, outside that window), seen from position min(p, S + W - 1).
+
+    q [B, T, H, D] and k [B, T, Hkv, D] not rotated; pos [B, T] with -1 at padding. Returns float64 [B, T, H, D],
+    0 for padding queries.
+    """
+    B, T, H, D = q.shape
+    G = H // k.shape[2]
+    out = torch.zeros(B, T, H, D, dtype=torch.float64)
+    for b in range(B):
+        for t in range(T):
+            p = int(pos[b, t])
+            if p < 0:
+                continue
+            keys, qpos = [], []
+            for i in range(t + 1):
+                pi = int(pos[b, i])
+                if pi < 0:
+                    continue
+                if p - window < pi <= p:
+                    keys.append(i), qpos.append(p)
+                elif pi < num_sinks:
+                    keys.append(i), qpos.append(min(p, num_sinks + window - 1))
+            idx = torch.tensor(keys)
+            kr = rope(k[b, idx], pos[b, idx].unsqueeze(-1).expand(-1, k.shape[2]), inv_freq)  # [n, Hkv, D]
+            qr = rope(q[b, t].unsqueeze(0).expand(len(keys), H, D), torch.tensor(qpos).unsqueeze(-1).expand(-1, H),
+                      inv_freq)  # [n, H, D]
+            kr = kr.repeat_interleave(G, dim=1)
+            vv = v[b, idx].double().repeat_interleave(G, dim=1)
+            scores = (qr * kr).sum(-1) * scale  # [n, H]
+            out[b, t] = torch.einsum("nh,nhd->hd", torch.softmax(scores, 0), vv)
+    return out
+
+
+def brute_force_aaren(s, v, g=None, initial_state=None):
+    """o_t = sum_{i<=t} exp(s_i + G_it) v_i / sum(...), G_it = g_{i+1} + ... + g_t, as a T x T masked softmax in
+    float64. s [B, T, H] (-inf: excluded), v [B, T, H, D]. The initial state (o0, lse0) acts as a token before the
+    first with score lse0 and value o0. Returns (o, (o_T, lse_T))."""
+    s, v = s.double(), v.double()
+    B, T, H = s.shape
+    g = torch.zeros_like(s) if g is None else g.double()
+    if initial_state is not None:
+        o0, lse0 = initial_state
+        s = torch.cat([lse0.double().unsqueeze(1), s], 1)
+        v = torch.cat([o0.double().unsqueeze(1), v], 1)
+        g = torch.cat([torch.zeros(B, 1, H, dtype=torch.float64), g], 1)
+    n = s.shape[1]
+    c = torch.cumsum(g, 1)  # weight of i seen from t: s_i + c_t - c_i
+    logits = s.transpose(1, 2).unsqueeze(2) + (c.transpose(1, 2).unsqueeze(3) - c.transpose(1, 2).unsqueeze(2))
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    logits = logits.masked_fill(~causal, float("-inf"))  # [B, H, t, i]
+    lse = torch.logsumexp(logits, -1)
+    w = torch.exp(logits - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).unsqueeze(-1))
+    o = torch.einsum("bhti,bihd->bthd", w, v)
+    if initial_state is not None:
+        o, lse = o[:, 1:], lse[:, :, 1:]
+    return o, (o[:, -1], lse[:, :, -1])

@@ -1,0 +1,439 @@
+# Copyright 2026 The aaren-hf authors. Apache-2.0.
+"""Conversion pipeline on a tiny random Llama teacher and tiny text made here (no assets, no network):
+init, stage 1, stage 2, trainable sets, the full conversion and its output folder, the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+# Import the package before any transformers model module: with the repository root on sys.path, its top-level
+# `kernels/` folder is taken by transformers for the optional hub `kernels` package, and importing it first
+# (through aaren_hf) avoids a circular import inside transformers.
+import aaren_hf  # noqa: F401
+
+REPO = Path(__file__).resolve().parents[1]
+WORDS = [f"w{i}" for i in range(60)]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Helpers shared with test_resume.py and test_distributed.py
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def make_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(["<unk>", "<s>", "</s>", "<pad>"] + WORDS + [str(d) for d in range(10)])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>")
+
+
+def make_tiny_teacher(folder: Path, layers: int = 2, seed: int = 0) -> Path:
+    """A random Llama (GQA: 4 query heads, 2 key/value heads) with weights large enough for peaked attention
+    and logits, saved with its tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = make_tokenizer()
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                         initializer_range=0.15, bos_token_id=1, eos_token_id=2, pad_token_id=3,
+                         tie_word_embeddings=True)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def make_corpus(folder: Path, documents: int = 30, seed: int = 0) -> Path:
+    """Documents of word sequences with local structure (a noisy counter), one .txt file each."""
+    rng = random.Random(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    for d in range(documents):
+        start, n = rng.randrange(len(WORDS)), rng.randint(150, 300)
+        text = " ".join(WORDS[(start + 3 * i + rng.choice((0, 0, 0, 1))) % len(WORDS)] for i in range(n))
+        (folder / f"doc{d:03d}.txt").write_text(text)
+    return folder
+
+
+def tiny_options(teacher, data, output, **overrides):
+    """Options of a tiny conversion; :func:`cli_args` gives the same run on the command line."""
+    from aaren_hf.conversion.convert import ConvertOptions, apply_overrides
+    from aaren_hf.conversion.stage1 import Stage1Options
+    from aaren_hf.conversion.stage2 import Stage2Options
+
+    opts = ConvertOptions(
+        teacher=str(teacher), output=str(output), data=(str(data),), seq_len=48, train_windows=16, heldout_windows=4,
+        mixer={"num_query_slots": 2, "decay": "learned", "window_size": 8, "num_sink_tokens": 1,
+               "window_gate": "head"},
+        init_windows=2,
+        stage1=Stage1Options(steps=4, lr=3e-3, batch_size=2, windows=8, checkpoint_every=2),
+        stage2=Stage2Options(steps=4, lr=2e-3, batch_size=2, checkpoint_every=2),
+        eval=False, progress=False,
+    )
+    return apply_overrides(opts, **overrides)
+
+
+def cli_env(cache: Path) -> dict:
+    env = dict(os.environ)
+    env["AAREN_HF_CACHE"] = str(cache)
+    env["HF_HUB_OFFLINE"] = "1"
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def cli_args(teacher, data, output) -> list[str]:
+    """The command-line twin of :func:`tiny_options`."""
+    return ["--teacher", str(teacher), "--data", str(data), "--output", str(output), "--seq-len", "48",
+            "--train-windows", "16", "--heldout-windows", "4", "--init-windows", "2", "--num-query-slots", "2",
+            "--decay", "learned", "--window-size", "8", "--num-sink-tokens", "1", "--stage1-steps", "4",
+            "--stage1-lr", "3e-3", "--stage1-windows", "8", "--stage1-batch-size", "2", "--stage2-steps", "4",
+            "--lr", "2e-3", "--batch-size", "2", "--checkpoint-every", "2", "--no-eval", "--no-progress"]
+
+
+def read_weights(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(Path(folder) / "model.safetensors")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny tensors: one thread is faster, and much faster on a busy shared machine (no OpenMP barriers)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """(teacher folder, data folder); the token cache goes to a temporary AAREN_HF_CACHE."""
+    root = tmp_path_factory.mktemp("tiny")
+    old = os.environ.get("AAREN_HF_CACHE")
+    os.environ["AAREN_HF_CACHE"] = str(root / "cache")
+    yield make_tiny_teacher(root / "teacher"), make_corpus(root / "data")
+    if old is None:
+        os.environ.pop("AAREN_HF_CACHE", None)
+    else:
+        os.environ["AAREN_HF_CACHE"] = old
+
+
+@pytest.fixture(scope="module")
+def parts(tiny):
+    """Teacher, tokenizer, windows and an initialised student (shared; tests copy before training)."""
+    from aaren_hf.conversion.convert import build_student, load_teacher
+    from aaren_hf.conversion.data import load_token_windows
+    from aaren_hf.conversion.init import initialize_student
+
+    teacher_dir, data = tiny
+    tokenizer, teacher = load_teacher(str(teacher_dir))
+    windows = load_token_windows(tokenizer, str(data), seq_len=48, num_heldout=4, seed=0)
+    mixer = {"num_query_slots": 2, "decay": "learned", "window_size": 8, "num_sink_tokens": 1}
+    student = build_student(teacher, mixer)
+    report = initialize_student(student, teacher, windows.train[:2], seed=0)
+    return {"teacher": teacher, "tokenizer": tokenizer, "train": windows.train, "heldout": windows.heldout,
+            "student": student, "report": report, "mixer": mixer}
+
+
+def fresh_student(parts):
+    import copy
+
+    return copy.deepcopy(parts["student"])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Initialisation
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_kmeans_is_seeded_and_finds_clusters():
+    from aaren_hf.conversion.init import kmeans
+
+    g = torch.Generator().manual_seed(0)
+    centres = torch.tensor([[5.0, 0.0], [-5.0, 0.0], [0.0, 5.0]])
+    points = torch.cat([c + 0.1 * torch.randn(50, 2, generator=g) for c in centres])
+    c1, a1 = kmeans(points, 3, iterations=5, seed=3)
+    c2, a2 = kmeans(points, 3, iterations=5, seed=3)
+    assert torch.equal(c1, c2) and torch.equal(a1, a2)
+    found = sorted(c1.tolist())
+    assert all(min(torch.dist(torch.tensor(f), c).item() for c in centres) < 0.2 for f in found)
+
+
+def test_init_sets_new_parameters_from_teacher_statistics(parts):
+    student, report = parts["student"], parts["report"]
+    cfg = student.config
+    for layer, entry in zip(student.model.layers, report["layers"]):
+        mixer = layer.mixer
+        assert torch.isfinite(mixer.queries).all() and mixer.queries.abs().sum() > 0
+        rates = mixer.log_decay.exp()
+        # slots spread around the head's rate ~ 1 / mean distance, the same ordering of heads
+        head_rate = torch.tensor(entry["decay_rate"])
+        assert torch.allclose(rates.prod(-1).pow(1 / cfg.num_query_slots), head_rate, rtol=1e-3)
+        assert torch.equal(head_rate.argsort(), (1 / torch.tensor(entry["mean_distance"])).argsort())
+        share = torch.sigmoid(mixer.window_gate)
+        assert torch.allclose(share, torch.tensor(entry["window_share"]), atol=2e-3)
+        assert ((share >= 0.05 - 1e-6) & (share <= 0.95 + 1e-6)).all()
+        # rotary frequencies come from the teacher
+        assert torch.allclose(mixer.rope_inv_freq, parts["teacher"].model.rotary_emb.inv_freq.float())
+
+
+def test_init_queries_match_teacher_query_scale(parts):
+    from aaren_hf.conversion.adapters import teacher_layers, teacher_qkv
+
+    teacher = parts["teacher"]
+    x = teacher.model.embed_tokens(parts["train"][:2])
+    layer = teacher_layers(teacher)[0]
+    q, _, _ = teacher_qkv(layer, layer.input_norm(x))
+    rms = q.detach().norm(dim=-1).pow(2).mean().sqrt()
+    norms = parts["student"].model.layers[0].mixer.queries.norm(dim=-1)
+    assert 0.3 * rms < norms.mean() < 1.5 * rms
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Stage 1
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_stage1_lowers_layer_loss(parts):
+    from aaren_hf.conversion.stage1 import Stage1Options, capture_attention, fvu, train_mixer
+
+    student, teacher = fresh_student(parts), parts["teacher"]
+    acts = capture_attention(teacher, parts["train"][:8], [0, 1])
+    held = capture_attention(teacher, parts["heldout"][:2], [0, 1])
+    opts = Stage1Options(steps=25, lr=3e-3, batch_size=2, warmup=2)
+    for i in (0, 1):
+        mixer = student.model.layers[i].mixer
+        ho = tuple(t.float() for t in held[i])
+        record = train_mixer(mixer, *acts[i], opts, seed=0, layer=i, heldout=ho)
+        assert record["train_loss_last"] < record["train_loss_first"]
+        assert record["heldout_fvu_after"] < record["heldout_fvu_before"]
+        assert abs(fvu(mixer, *ho) - record["heldout_fvu_after"]) < 1e-9
+
+
+def test_capture_matches_teacher_attention_output(parts):
+    """The hooks store exactly what the attention module receives and returns: x = input_norm(h) and
+    h + y + mlp(post_norm(h + y)) is the layer's output."""
+    from aaren_hf.conversion.adapters import teacher_layers
+    from aaren_hf.conversion.stage1 import capture_attention
+
+    teacher = parts["teacher"]
+    ids = parts["train"][:2]
+    x, y = capture_attention(teacher, ids, [0], dtype=torch.float32)[0]
+    layer = teacher_layers(teacher)[0]
+    with torch.no_grad():
+        hidden = teacher(input_ids=ids, output_hidden_states=True).hidden_states
+        h = hidden[0]
+        assert torch.allclose(layer.input_norm(h), x, atol=1e-5)
+        r = h + y
+        assert torch.allclose(r + layer.mlp(layer.post_attention_norm(r)), hidden[1], atol=1e-4)
+
+
+def test_frozen_teacher_weights_option(parts):
+    from aaren_hf.conversion.stage1 import mixer_trainable_parameters
+
+    mixer = fresh_student(parts).model.layers[0].mixer
+    new, inherited = mixer_trainable_parameters(mixer, train_teacher_weights=False)
+    trainable = {n for n, p in mixer.named_parameters() if p.requires_grad}
+    assert trainable == {"queries", "log_decay", "window_gate"} and not inherited
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Stage 2
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_stage2_lowers_kl(parts, tmp_path):
+    from aaren_hf.conversion.stage2 import Stage2Options, heldout_kl, run_stage2
+
+    student, teacher = fresh_student(parts), parts["teacher"]
+    train, heldout = parts["train"], parts["heldout"]
+    before = heldout_kl(student, teacher, heldout)
+    opts = Stage2Options(steps=12, lr=3e-3, batch_size=2, warmup=2, eval_windows=4, checkpoint_every=0)
+    student, summary = run_stage2(student, teacher, train, heldout, opts, seed=0, work_dir=tmp_path)
+    assert summary["heldout_kl_before"] == pytest.approx(before)
+    assert summary["heldout_kl_after"] < 0.8 * before
+    assert summary["train_loss_last"] < summary["train_loss_first"]
+
+
+@pytest.mark.parametrize("trainable", ["all", "mixer", "lora"])
+def test_trainable_set_selection(parts, trainable):
+    from aaren_hf.conversion.stage2 import finish_trainable, select_trainable
+
+    student = fresh_student(parts)
+    reference = {n: p.detach().clone() for n, p in student.named_parameters()}
+    model = select_trainable(student, trainable, lora_r=4)
+    on = {n for n, p in model.named_parameters() if p.requires_grad}
+    names = [n for n, _ in model.named_parameters()]
+    if trainable == "all":
+        assert on == set(names)
+    elif trainable == "mixer":
+        assert on == {n for n in names if ".mixer." in n}
+        assert "model.embed_tokens.weight" not in on and not any(".mlp." in n for n in on)
+    else:
+        assert on, "nothing trainable"
+        lora = {n for n in on if "lora_" in n}
+        rest = on - lora
+        targets = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in lora}
+        assert targets == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+        assert rest and all(n.endswith(("queries", "log_decay", "window_gate")) for n in rest)
+        assert not any("base_layer" in n for n in on)
+        # one step moves only those; merging returns a plain Aaren model with the same parameter names
+        x = parts["train"][:1]
+        model(input_ids=x).logits.float().pow(2).mean().backward()
+        torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0).step()
+    merged = finish_trainable(model)
+    assert type(merged).__name__ == "AarenForCausalLM"
+    assert {n for n, _ in merged.named_parameters()} == set(reference)
+    if trainable == "lora":
+        changed = {n for n, p in merged.named_parameters() if not torch.equal(p, reference[n])}
+        assert changed and not any("embed_tokens" in n or "norm" in n for n in changed)
+
+
+def test_fixed_decay_stays_frozen(parts):
+    from aaren_hf.conversion.convert import build_student
+    from aaren_hf.conversion.stage2 import select_trainable
+
+    student = build_student(parts["teacher"], {**parts["mixer"], "decay": "fixed"})
+    for trainable in ("all", "mixer"):
+        select_trainable(student, trainable)
+        assert not any(p.requires_grad for n, p in student.named_parameters() if n.endswith("log_decay"))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Full conversion
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_full_conversion_output_loads_and_generates(tiny, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import aaren_hf  # noqa: F401
+    from aaren_hf.conversion.convert import convert
+
+    teacher, data = tiny
+    out = tmp_path / "student"
+    opts = tiny_options(teacher, data, out, eval=True, eval_quick=True, recall_distances=(16, 64), recall_trials=1)
+    assert convert(opts) == out
+    files = {p.name for p in out.iterdir()}
+    for name in ("config.json", "model.safetensors", "modeling_aaren.py", "configuration_aaren.py",
+                 "tokenizer.json", "generation_config.json", "README.md", "conversion.json", "conversion.log",
+                 "evaluation.json"):
+        assert name in files, name
+    assert not any(name.endswith((".bin", ".pt", ".pkl")) for name in files)
+    assert not (tmp_path / "student.work").exists()
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "aaren" and "AutoModelForCausalLM" in config["auto_map"]
+    record = json.loads((out / "conversion.json").read_text())
+    assert record["stage1"]["mean_heldout_fvu_after"] is not None and record["stage2"]["heldout_kl_after"] is not None
+    results = json.loads((out / "evaluation.json").read_text())
+    names = [m["kind"] for m in results["perplexity"]]
+    assert names[:2] == ["teacher", "student"] and "baseline" in names
+    assert "stage 1" in (out / "conversion.log").read_text()
+    assert "## Evaluation" in (out / "README.md").read_text()
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert type(model).__name__ == "AarenForCausalLM"
+    ids = tokenizer("w1 w4 w7", return_tensors="pt")
+    generated = model.generate(**ids, max_new_tokens=5, do_sample=False)
+    assert generated.shape[1] == ids["input_ids"].shape[1] + 5
+
+    # the output exists now: a second run without --overwrite refuses
+    from aaren_hf.conversion.convert import ConversionError
+
+    with pytest.raises(ConversionError, match="already exists"):
+        convert(tiny_options(teacher, data, out))
+
+
+def test_unsupported_teacher_type(tmp_path):
+    from transformers import BertConfig
+
+    from aaren_hf.conversion.adapters import SUPPORTED_TEACHERS
+    from aaren_hf.conversion.convert import ConversionError, check_teacher_type
+
+    folder = tmp_path / "bert"
+    BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+               intermediate_size=64).save_pretrained(folder)
+    with pytest.raises(ConversionError) as info:
+        check_teacher_type(str(folder))
+    message = str(info.value)
+    assert "'bert'" in message and all(t in message for t in SUPPORTED_TEACHERS)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def run_cli(args, capsys):
+    from aaren_hf.conversion.cli import main
+
+    try:
+        code = main(list(args))
+    except SystemExit as exit_:
+        code = exit_.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_cli_help(capsys):
+    code, out, _ = run_cli(["--help"], capsys)
+    assert code == 0
+    for text in ("--recipe", "--teacher", "--resume", "--trainable", "examples:", "aaren-convert recipes",
+                 "torchrun --nproc_per_node 2"):
+        assert text in out
+    code, out, _ = run_cli(["eval", "--help"], capsys)
+    assert code == 0 and "--model" in out
+    code, out, _ = run_cli(["recipes"], capsys)
+    assert code == 0 and "smollm2-135m" in out
+
+
+def test_console_script_entry_point():
+    """setup.cfg declares aaren-convert = aaren_hf.conversion.cli:main; the module runs with -m too."""
+    result = subprocess.run([sys.executable, "-m", "aaren_hf.conversion.cli", "--help"], capture_output=True,
+                            text=True, env=cli_env(Path("/tmp")), timeout=120)
+    assert result.returncode == 0 and "usage: aaren-convert" in result.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--teacher", "x", "--seq-len", "0"], "--seq-len: must be an integer between 16 and"),
+    (["--teacher", "x", "--stage1-lr", "-1"], "--stage1-lr: must be a number > 0"),
+    (["--teacher", "x", "--trainable", "everything"], "invalid choice: 'everything'"),
+    (["--teacher", "./no/such/folder"], "does not exist"),
+    (["--teacher", "x", "--num-sink-tokens", "2", "--window-size", "0"], "needs the window branch"),
+    (["--teacher", "x", "--batch-size", "3", "--micro-batch-size", "2"], "multiple of --micro-batch-size"),
+    (["--recipe", "nope"], "unknown recipe 'nope'"),
+    ([], "give --recipe NAME"),
+    (["--teacher", "x", "--resume", "--overwrite"], "give one of them"),
+    (["--teacher", "x", "--data", "./missing.txt"], "no such file or folder"),
+])
+def test_cli_bad_arguments(args, message, capsys):
+    code, _, err = run_cli(args, capsys)
+    assert code == 2
+    assert message in err
+
+
+def test_cli_errors_say_what_to_do(tiny, tmp_path, capsys):
+    teacher, data = tiny
+    code, _, err = run_cli(["--teacher", str(teacher), "--data", str(data), "--output", str(tmp_path / "o"),
+                            "--resume"], capsys)
+    assert code == 1 and "no interrupted conversion to resume" in err and "run without --resume" in err
+    folder = tmp_path / "bert"
+    from transformers import BertConfig
+
+    BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+               intermediate_size=64).save_pretrained(folder)
+    code, _, err = run_cli(["--teacher", str(folder), "--output", str(tmp_path / "b")], capsys)
+    assert code == 1 and "not supported" in err and "llama" in err

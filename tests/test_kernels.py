@@ -1,0 +1,368 @@
+# Copyright 2026 The aaren-hf authors. Apache-2.0.
+"""Aaren scan kernels against the float64 reference ``naive_aaren``: forward and every gradient.
+
+CPU runs: the Triton kernels go through the public dispatch (``aaren_hf.kernels``) with TRITON_INTERPRET=1, set per
+test with monkeypatch, so other test files in the same process keep the PyTorch path. Our kernels are wrapped for
+the current mode at launch time and call none of triton.language's own @jit helpers, so they run in the interpreter
+whether triton was imported before or after TRITON_INTERPRET=1 was set. ``chunk_aaren_torch`` is checked against
+the same reference. GPU-only checks are marked ``requires_gpu``; ``test_compiles_for_sm90`` needs no GPU.
+"""
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import aaren_hf.kernels as K
+from aaren_hf.kernels import chunk_aaren, chunk_aaren_torch, fused_recurrent_aaren, naive_aaren
+
+HAS_TRITON = K.triton_available()
+if HAS_TRITON and os.environ.get("TRITON_INTERPRET") != "1":
+    # Import triton in compiled mode before the fixture below turns the interpreter on: triton.jit decides
+    # compiled vs interpreted when it wraps, and triton.language wraps its own helpers at import, so an interpreter-
+    # mode import would leave the requires_gpu tests unable to compile. Our kernels run in the interpreter either way.
+    import triton.language  # noqa: F401
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+NAMES = ("o", "ht_o", "ht_lse", "ds", "dv", "dg", "dh0_o", "dh0_lse")
+
+
+@pytest.fixture(autouse=True)
+def _backend_env(request, monkeypatch):
+    monkeypatch.delenv("AAREN_BACKEND", raising=False)
+    if request.node.get_closest_marker("requires_gpu"):
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # compiled kernels
+    else:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # Triton's interpreter on CPU tensors
+
+
+def make_inputs(B, T, H, D, scale=1.0, mode="random", decay=False, h0=False, mask=0.0, n_seq=None, seed=42,
+                dtype=torch.float64, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    rnd = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)  # noqa: E731
+    if mode == "random":
+        s = rnd(B, T, H) * scale
+    else:  # monotone: +30 or -30 per step, plus unit noise
+        step = 30.0 if mode == "inc" else -30.0
+        s = step * torch.arange(T, dtype=torch.float64)[None, :, None] + rnd(B, T, H)
+    if mask:
+        s = s.masked_fill(torch.rand(B, T, H, generator=gen, dtype=torch.float64) < mask, float("-inf"))
+    v = rnd(B, T, H, D)
+    g = F.logsigmoid(2 * rnd(B, T, H) + 1) if decay else None  # in about [-5, 0]
+    n = B if n_seq is None else n_seq
+    state = (rnd(n, H, D), rnd(n, H) * scale) if h0 else None
+    grads = (rnd(B, T, H, D), rnd(n, H, D), rnd(n, H))
+    cast = lambda x: None if x is None else x.to(device=device, dtype=dtype)  # noqa: E731
+    state = None if state is None else (state[0].to(device), state[1].to(device))  # states stay float64 / fp32
+    return cast(s), cast(v), cast(g), state, tuple(x.to(device) for x in grads)
+
+
+def run(fn, s, v, g, state, grads, cu_seqlens=None, chunk_size=64, state_dtype=None):
+    """Forward, then the gradients of <o, do> + <ht_o, dht_o> + <ht_lse, dht_lse>, all returned in float64."""
+    leaf = lambda x, dt=None: None if x is None else x.detach().to(dt or x.dtype).requires_grad_()  # noqa: E731
+    s, v, g = leaf(s), leaf(v), leaf(g)
+    st = None if state is None else (leaf(state[0], state_dtype), leaf(state[1], state_dtype))
+    o, (ho, hl) = fn(s, v, g, st, True, cu_seqlens, chunk_size)
+    do, dho, dhl = grads
+    loss = (o.double() * do).sum() + (ho.double() * dho).sum()
+    loss = loss + torch.where(torch.isfinite(hl), hl.double(), 0.0).mul(dhl).sum()  # an empty state has lse=-inf
+    inputs = [x for x in (s, v, g) + (st or ()) if x is not None]
+    gr = iter(torch.autograd.grad(loss, inputs))
+    out = dict(o=o, ht_o=ho, ht_lse=hl, ds=next(gr), dv=next(gr), dg=next(gr) if g is not None else None)
+    if st is not None:
+        out["dh0_o"], out["dh0_lse"], out["h0_o"] = next(gr), next(gr), st[0]
+    return {k: (x.detach().double() if x is not None else None) for k, x in out.items()}
+
+
+def rms(x):
+    return x.pow(2).mean().sqrt().item() if x.numel() else 0.0
+
+
+def compare(res, ref, tol, v, label=""):
+    """Error of each output: rms(err) / scale <= tol and max|err| / max(scale, max|ref|) <= 10 tol. The scale is
+    rms(ref), except for ds, dg and d lse_0: at large score ranges the true ds is ~0 while its two terms are large
+    (AAREN_MATH.md section 3), so these are measured against rms(<v_i, dv_i>) (and rms(<o_0, d o_0>))."""
+    vdv = rms((v.double() * ref["dv"]).sum(-1))
+    errs = {}
+    for k in NAMES:
+        a, b = res.get(k), ref.get(k)
+        if b is None:
+            assert a is None, k
+            continue
+        assert a.shape == b.shape, (k, a.shape, b.shape)
+        assert not torch.isnan(a).any(), f"{label} NaN in {k}"
+        fin = torch.isfinite(b)
+        assert torch.equal(fin, torch.isfinite(a)), f"{label} inf pattern differs in {k}"
+        a, b = a[fin], b[fin]
+        if not b.numel():
+            continue
+        scale = max(rms(b), 1e-6)
+        if k == "ds":
+            scale = max(scale, vdv)
+        elif k == "dg":
+            scale = max(scale, vdv * math.sqrt(ref["dg"].shape[1]))
+        elif k == "dh0_lse":
+            scale = max(scale, vdv, rms((ref["h0_o"] * ref["dh0_o"]).sum(-1)))
+        elif k == "ht_lse":
+            scale = max(scale, 1.0)
+        err = (a - b).abs()
+        errs[k] = (rms(err) / scale, err.max().item() / max(scale, b.abs().max().item()))
+    bad = {k: e for k, e in errs.items() if e[0] > tol or e[1] > 10 * tol}
+    print(label, {k: f"{e[0]:.1e}/{e[1]:.1e}" for k, e in errs.items()})
+    assert not bad, f"{label} errors over {tol}: {bad} (all: {errs})"
+    return errs
+
+
+IMPLS = {
+    "triton": lambda *a: chunk_aaren(*a),  # the public entry point; TRITON_INTERPRET=1 routes it to Triton
+    "torch": lambda *a: chunk_aaren_torch(*a),
+}
+
+# (B, T, H, D, scale, mode, decay, h0, mask, chunk_size): a spread, not the cartesian product.
+CASES = [
+    (2, 1, 2, 16, 1, "random", False, False, 0.0, 64),
+    (2, 15, 2, 64, 1, "random", True, True, 0.0, 64),
+    (2, 63, 2, 100, 50, "random", True, False, 0.2, 64),
+    (1, 64, 4, 16, 1000, "random", False, True, 0.0, 64),
+    (2, 65, 2, 64, 1, "inc", True, True, 0.0, 64),
+    (2, 65, 2, 16, 1, "dec", False, False, 0.0, 64),
+    (2, 100, 2, 100, 1000, "random", True, True, 0.1, 16),
+    (1, 130, 2, 64, 50, "dec", True, True, 0.0, 32),
+    (1, 1000, 2, 64, 50, "random", True, True, 0.05, 64),
+    (1, 1000, 1, 100, 1, "inc", False, False, 0.0, 64),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}-T{}-H{}-D{}-x{}-{}-decay{}-h0{}-mask{}-C{}".format(*c))
+def test_chunk_vs_naive_fp64(case):
+    B, T, H, D, scale, mode, decay, h0, mask, C = case
+    s, v, g, state, grads = make_inputs(B, T, H, D, scale, mode, decay, h0, mask)
+    ref = run(naive_aaren, s, v, g, state, grads)
+    assert torch.isfinite(ref["o"]).all()
+    res = run(chunk_aaren_torch, s, v, g, state, grads, chunk_size=C)
+    compare(res, ref, 1e-9, v, "torch")
+    if HAS_TRITON:
+        res = run(chunk_aaren, s, v, g, state, grads, chunk_size=C)
+        assert res["o"].dtype == torch.float64
+        compare(res, ref, 1e-4 if scale < 1000 else 3e-4, v, "triton")
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_chunk_low_precision_inputs(dtype):
+    """fp32 and 16-bit inputs (upcast on load) against float64 on the same rounded inputs; fp32 initial state."""
+    B, T, H, D = 2, 90, 2, 64
+    s, v, g, state, grads = make_inputs(B, T, H, D, 5.0, "random", True, True, 0.1, dtype=dtype)
+    ref = run(naive_aaren, s.double(), v.double(), g.double(), state, grads)
+    res = run(chunk_aaren, s, v, g, state, grads, state_dtype=torch.float32)
+    for k, x in res.items():
+        assert x is None or not torch.isnan(x).any(), k
+    compare(res, ref, 1e-4 if dtype == torch.float32 else 1e-2, v, str(dtype))
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch", "fused"])
+def test_varlen(impl):
+    if impl != "torch" and not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    lens = [1, 63, 0, 70, 15] if impl == "fused" else [1, 64, 0, 129, 15, 65]
+    cu = torch.tensor([0] + lens).cumsum(0)
+    T = int(cu[-1])
+    s, v, g, state, grads = make_inputs(1, T, 2, 16 if impl == "fused" else 100, 20.0, "random", True, True, 0.1,
+                                        n_seq=len(lens))
+    ref = run(naive_aaren, s, v, g, state, grads, cu_seqlens=cu)
+    fn = {"triton": chunk_aaren, "torch": chunk_aaren_torch, "fused": fused_recurrent_aaren}[impl]
+    res = run(fn, s, v, g, state, grads, cu_seqlens=cu)
+    compare(res, ref, 1e-9 if impl == "torch" else 1e-4, v, impl)
+
+
+@needs_triton
+@pytest.mark.parametrize("decay", [False, True])
+def test_fused_recurrent_vs_naive(decay):
+    s, v, g, state, grads = make_inputs(2, 40, 2, 100, 50.0, "random", decay, True, 0.1)
+    ref = run(naive_aaren, s, v, g, state, grads)
+    res = run(fused_recurrent_aaren, s, v, g, state, grads)
+    compare(res, ref, 1e-4, v, "fused")
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_shift_invariance(impl):
+    """Without decay or initial state, and with no gradient on the final lse, sum_i ds_i = 0 per sequence."""
+    if impl == "triton" and not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    B, T, H, D = 2, 150, 2, 64
+    s, v, _, _, (do, dho, _) = make_inputs(B, T, H, D, 50.0, "random", mask=0.1)
+    ref = run(naive_aaren, s, v, None, None, (do, dho, torch.zeros(B, H, dtype=torch.float64)))
+    res = run(IMPLS[impl], s, v, None, None, (do, dho, torch.zeros(B, H, dtype=torch.float64)))
+    scale = rms((v * ref["dv"]).sum(-1))
+    assert res["ds"].sum(1).abs().max().item() < 1e-4 * scale * math.sqrt(T)
+    assert ref["ds"].sum(1).abs().max().item() < 1e-9 * scale * math.sqrt(T)
+
+
+@needs_triton
+@pytest.mark.parametrize("decay", [False, True])
+def test_decode_after_prefill(decay):
+    """Chunked prefill, then one token at a time from its final state, equals the full chunked forward."""
+    B, T, T0, H, D = 2, 75, 67, 2, 64
+    s, v, g, state, _ = make_inputs(B, T, H, D, 10.0, "random", decay, True, 0.1, dtype=torch.float32)
+    state = (state[0].float(), state[1].float())
+    full, full_ht = chunk_aaren(s, v, g, state, True)
+    o, st = chunk_aaren(s[:, :T0], v[:, :T0], None if g is None else g[:, :T0], state, True)
+    outs = [o]
+    for t in range(T0, T):
+        g_t = None if g is None else g[:, t : t + 1]
+        o_t, st = fused_recurrent_aaren(s[:, t : t + 1], v[:, t : t + 1], g_t, st, True)
+        outs.append(o_t)
+    torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(st[0], full_ht[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(st[1], full_ht[1], rtol=1e-5, atol=1e-5)
+    # and the PyTorch decode path from the Triton prefill state
+    _, st = chunk_aaren(s[:, :T0], v[:, :T0], None if g is None else g[:, :T0], state, True)
+    o_t, _ = K.recurrent_aaren_torch(s[:, T0:], v[:, T0:], None if g is None else g[:, T0:], st)
+    torch.testing.assert_close(o_t, full[:, T0:], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch", "fused"])
+def test_fully_masked(impl):
+    """Rows with every score -inf: o = 0 (or the initial state), an empty final state, finite gradients."""
+    if impl != "torch" and not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    B, T, H, D = 2, 70, 2, 16
+    s, v, g, _, grads = make_inputs(B, T, H, D, 1.0, "random", True)
+    s[0] = float("-inf")  # batch row 0: nothing at all
+    s[1, :, 0] = float("-inf")  # batch row 1, head 0
+    fn = {"triton": chunk_aaren, "torch": chunk_aaren_torch, "fused": fused_recurrent_aaren}[impl]
+    ref = run(naive_aaren, s, v, g, None, grads)
+    res = run(fn, s, v, g, None, grads)
+    assert (res["o"][0] == 0).all() and (res["o"][1, :, 0] == 0).all() and (res["ht_o"][0] == 0).all()
+    assert torch.isneginf(res["ht_lse"][0]).all() and torch.isneginf(res["ht_lse"][1, 0])
+    for k in ("ds", "dv", "dg"):
+        assert torch.isfinite(res[k]).all(), k
+        assert (res[k][0] == 0).all(), k  # nothing depends on a fully masked row
+    compare(res, ref, 1e-9 if impl == "torch" else 1e-4, v, impl)
+    # with an initial state, a fully masked row returns that state, decayed
+    st = (torch.randn(B, H, D, dtype=torch.float64), torch.randn(B, H, dtype=torch.float64))
+    ref = run(naive_aaren, s, v, g, st, grads)
+    res = run(fn, s, v, g, st, grads)
+    torch.testing.assert_close(res["o"][0], st[0][0].expand(T, H, D), rtol=1e-5, atol=1e-5)
+    compare(res, ref, 1e-9 if impl == "torch" else 1e-4, v, impl + " h0")
+
+
+@needs_triton
+def test_interpreter_after_compiled_import():
+    """triton imported (compiled mode) before TRITON_INTERPRET=1 is set, as when other test files import it first:
+    the kernels must still run in the interpreter."""
+    code = (
+        "import os, torch, triton, triton.language\n"
+        "os.environ['TRITON_INTERPRET'] = '1'\n"
+        "from aaren_hf.kernels import chunk_aaren, fused_recurrent_aaren, naive_aaren\n"
+        "s = torch.randn(1, 70, 2, dtype=torch.float64, requires_grad=True)\n"
+        "v, g = torch.randn(1, 70, 2, 16, dtype=torch.float64), -torch.rand(1, 70, 2, dtype=torch.float64)\n"
+        "ref = naive_aaren(s, v, g)[0]\n"
+        "for fn in (chunk_aaren, fused_recurrent_aaren):\n"
+        "    o = fn(s, v, g)[0]\n"
+        "    o.sum().backward()\n"
+        "    assert (o - ref).abs().max() < 1e-5, fn\n"
+    )
+    env = {k: x for k, x in os.environ.items() if k not in ("TRITON_INTERPRET", "AAREN_BACKEND")}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300)
+
+
+AOT_SM90 = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+from aaren_hf.kernels.aaren import chunk, fused_recurrent
+
+def aot(fn, sig, consts):
+    jf = triton.jit(fn)
+    sig = dict(sig, **{k: "constexpr" for k in consts})
+    src = ASTSource(jf, {n: sig[n] for n in jf.arg_names}, constexprs=consts)
+    k = compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, num_stages=2))
+    assert k.asm["cubin"], fn.__name__
+
+P, B = "*fp32", "*bf16"
+common = dict(cu_seqlens="*i64", chunk_offsets="*i64", T="i32", s=B, v=B, g=B, lse=P, h0_o=P, h0_lse=P, ht_o=P,
+              ht_lse=P, cs_o=P, cs_lse=P)
+c = dict(H=8, D=100, BD=128, C=64, HAS_G=True, HAS_H0=True, IS_VARLEN=True, DOT_PREC="tf32")
+aot(chunk._aaren_chunk_fwd_kernel, dict(common, o=B), dict(c, SAVE_CS=True))
+aot(chunk._aaren_chunk_bwd_kernel, dict(common, do=B, dht_o=P, dht_lse=P, ds=B, dv=B, dg=B, dh0_o=P, dh0_lse=P),
+    dict(c, HAS_DHT=True))
+aot(fused_recurrent._aaren_fused_recurrent_fwd_kernel, dict(common, o=B),
+    dict(H=8, D=100, BD=128, HAS_G=True, HAS_H0=True, IS_VARLEN=True))
+"""
+
+
+@needs_triton
+def test_compiles_for_sm90():
+    """The kernels compile for sm90 (H100/H200) down to a cubin with triton's bundled ptxas: no GPU needed. Run in
+    a fresh process, because an interpreter-mode import of triton can't compile."""
+    import triton.backends
+
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("triton has no NVIDIA backend here")
+    env = {k: x for k, x in os.environ.items() if k not in ("TRITON_INTERPRET", "AAREN_BACKEND")}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    subprocess.run([sys.executable, "-c", AOT_SM90], check=True, env=env, timeout=600)
+
+
+def test_dispatch(monkeypatch):
+    x = torch.zeros(1)
+    assert K.select_backend(x) == ("triton" if HAS_TRITON else "torch")  # TRITON_INTERPRET=1 here
+    for name in ("torch", "naive") + (("triton",) if HAS_TRITON else ()):
+        monkeypatch.setenv("AAREN_BACKEND", name)
+        assert K.select_backend(x) == name
+    monkeypatch.setenv("AAREN_BACKEND", "naive")
+    o, _ = chunk_aaren(torch.zeros(1, 2, 1), torch.ones(1, 2, 1, 4))
+    assert torch.equal(o, torch.ones(1, 2, 1, 4))
+    monkeypatch.setenv("AAREN_BACKEND", "cuda")
+    with pytest.raises(ValueError, match="AAREN_BACKEND"):
+        chunk_aaren(torch.zeros(1, 2, 1), torch.zeros(1, 2, 1, 4))
+    monkeypatch.delenv("AAREN_BACKEND")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert K.select_backend(x) == "torch"  # CPU tensors, no interpreter: PyTorch
+    monkeypatch.setenv("AAREN_BACKEND", "triton")
+    if HAS_TRITON:
+        with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+            chunk_aaren(torch.zeros(1, 2, 1), torch.zeros(1, 2, 1, 4))
+    monkeypatch.setattr(K, "triton_available", lambda: False)
+    with pytest.raises(ImportError, match="triton"):
+        chunk_aaren(torch.zeros(1, 2, 1), torch.zeros(1, 2, 1, 4))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU only: compiled kernels (sm90), tensor-core dot accuracy, large shapes.
+
+
+@pytest.mark.requires_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("decay", [False, True])
+def test_gpu_compiled_vs_naive(dtype, decay):
+    """Compiled kernels (tf32 dot for 16-bit inputs, ieee for fp32) against float64 on the GPU."""
+    s, v, g, state, grads = make_inputs(2, 1000, 4, 100, 50.0, "random", decay, True, 0.05, dtype=dtype,
+                                        device="cuda")
+    ref = run(naive_aaren, s.double(), v.double(), None if g is None else g.double(), state, grads)
+    res = run(chunk_aaren, s, v, g, state, grads, state_dtype=torch.float32)
+    compare(res, ref, 3e-2 if dtype == torch.bfloat16 else 1e-4, v, f"cuda {dtype}")
+    res = run(fused_recurrent_aaren, s, v, g, state, grads, state_dtype=torch.float32)
+    compare(res, ref, 3e-2 if dtype == torch.bfloat16 else 1e-4, v, f"cuda fused {dtype}")
+
+
+@pytest.mark.requires_gpu
+def test_gpu_large_vs_torch():
+    """Large shapes, bf16, varlen and dense: Triton against the PyTorch chunked path (fp32 compute)."""
+    B, T, H, D = 2, 16384, 8, 128
+    s, v, g, state, grads = make_inputs(B, T, H, D, 20.0, "random", True, True, 0.01, dtype=torch.bfloat16,
+                                        device="cuda")
+    ref = run(chunk_aaren_torch, s, v, g, state, grads, state_dtype=torch.float32)
+    res = run(chunk_aaren, s, v, g, state, grads, state_dtype=torch.float32)
+    compare(res, ref, 3e-2, v, "large")
+    cu = torch.tensor([0, 1, 5000, 5064, 2 * T], device="cuda")
+    flat = lambda x: None if x is None else x.reshape(1, 2 * T, *x.shape[2:])  # noqa: E731
+    st = (state[0][:1].expand(4, H, D).contiguous(), state[1][:1].expand(4, H).contiguous())
+    gr = (flat(grads[0]), grads[1][:1].expand(4, H, D), grads[2][:1].expand(4, H))
+    ref = run(chunk_aaren_torch, flat(s), flat(v), flat(g), st, gr, cu_seqlens=cu, state_dtype=torch.float32)
+    res = run(chunk_aaren, flat(s), flat(v), flat(g), st, gr, cu_seqlens=cu, state_dtype=torch.float32)
+    compare(res, ref, 3e-2, flat(v), "large varlen")

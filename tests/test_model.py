@@ -1,0 +1,411 @@
+"""AarenForCausalLM on CPU: parallel forward == token-by-token decoding for every mixer option, the mixer and its
+window branch against brute-force references, numerical robustness, dtypes, bad input, PEFT."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from aaren_hf import AarenCache, AarenConfig
+from aaren_hf.aaren_scan import chunk_aaren_torch, recurrent_aaren_torch
+from aaren_hf.configuration_aaren import AAREN_FORMAT_VERSION
+from aaren_hf.modeling_aaren import AarenLayerState
+from helpers import (
+    MIXER_CASES,
+    brute_force_aaren,
+    brute_force_window,
+    incremental_logits,
+    one_thread,  # noqa: F401  (autouse fixture)
+    random_ids,
+    tiny_config,
+    tiny_model,
+)
+
+ATOL = 1e-4
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Parallel forward == token-by-token decoding
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", list(MIXER_CASES))
+def test_parallel_equals_incremental(case):
+    ids = random_ids(2, 15, seed=1)  # odd length; longer than every window in MIXER_CASES
+    reference = None
+    for chunk_size in (1, 3, 64):
+        model = tiny_model(seed=0, chunk_size=chunk_size, **MIXER_CASES[case])
+        with torch.no_grad():
+            full = model(ids, use_cache=False).logits
+        if reference is None:
+            reference = full
+        # the chunk size is an implementation detail: same function whatever it is
+        torch.testing.assert_close(full, reference, atol=ATOL, rtol=0)
+        # prefill in pieces (5 then 7, then steps) or a prompt longer (13) than the window, then steps; the
+        # chunk size only matters for multi-token pieces, so single steps throughout and a prompt shorter (3) than
+        # the window run once
+        for pieces in ((5, 7), (13,)) + (((), (3,)) if chunk_size == 3 else ()):
+            torch.testing.assert_close(incremental_logits(model, ids, pieces), full, atol=ATOL, rtol=0,
+                                       msg=lambda m: f"chunk_size={chunk_size} pieces={pieces}: {m}")
+        with torch.no_grad():  # causal: a prefix gives the prefix's logits
+            torch.testing.assert_close(model(ids[:, :3]).logits, full[:, :3], atol=ATOL, rtol=0)
+
+    # The tolerance has teeth: the first token still moves the last logits by far more than ATOL.
+    changed = ids.clone()
+    changed[:, 0] = (changed[:, 0] + 1) % 63 + 1
+    with torch.no_grad():
+        moved = (model(changed).logits[:, -1] - full[:, -1]).abs().max()
+    assert moved > 100 * ATOL
+
+
+def test_logits_to_keep_and_hidden_states():
+    model = tiny_model(window_size=4)
+    ids = random_ids(1, 9)
+    with torch.no_grad():
+        out = model(ids, output_hidden_states=True)
+        last = model(ids, logits_to_keep=1).logits
+    assert len(out.hidden_states) == model.config.num_hidden_layers + 1
+    torch.testing.assert_close(last, out.logits[:, -1:])
+
+
+def test_inputs_embeds_equals_input_ids():
+    model = tiny_model(**MIXER_CASES["everything"])
+    ids = random_ids(2, 7)
+    with torch.no_grad():
+        a = model(input_ids=ids).logits
+        b = model(inputs_embeds=model.get_input_embeddings()(ids)).logits
+    torch.testing.assert_close(a, b)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Brute-force references
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _rms(x, weight, eps):
+    return weight.double() * x.double() / torch.sqrt(x.double().pow(2).mean(-1, keepdim=True) + eps)
+
+
+@torch.no_grad()
+def reference_mixer(mixer, config, x, mask):
+    """The mixer written from the config docs and AAREN_MATH.md, in float64, with T x T masked softmaxes."""
+    B, T, E = x.shape
+    H, Hkv, D, J = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.num_query_slots
+    G, scale = H // Hkv, D**-0.5
+    pos = (mask.long().cumsum(1) - 1).masked_fill(~mask, -1)
+    x = x.double()
+    lin = lambda layer, inp: F.linear(inp, layer.weight.double(), None if layer.bias is None else layer.bias.double())
+    k = lin(mixer.k_proj, x).view(B, T, Hkv, D)
+    v = lin(mixer.v_proj, x).view(B, T, Hkv, D)
+    q = lin(mixer.q_proj, x).view(B, T, H, D) if hasattr(mixer, "q_proj") else None
+    if config.qk_norm:
+        k = _rms(k, mixer.k_norm.weight, config.rms_norm_eps)
+        q = _rms(q, mixer.q_norm.weight, config.rms_norm_eps) if q is not None else None
+    c = mixer.queries.double()  # [H, J, D]
+    k_h = k.repeat_interleave(G, dim=2)  # query head h reads kv head h // G
+    v_h = v.repeat_interleave(G, dim=2)
+    s = torch.einsum("bthd,hjd->bthj", k_h, c) * scale
+    s = s.masked_fill(~mask[:, :, None, None], float("-inf")).reshape(B, T, H * J)
+    g = None
+    if config.decay != "none":
+        rate = mixer.log_decay.double().exp().reshape(H * J)
+        factor = 1.0
+        if config.decay == "input":
+            factor = F.softplus(lin(mixer.decay_proj, x)) / math.log(2.0)
+        g = (-rate * factor * torch.ones(B, T, H * J, dtype=torch.float64)).masked_fill(~mask[:, :, None], 0.0)
+    o, _ = brute_force_aaren(s, v_h.repeat_interleave(J, dim=2), g)
+    o = o.view(B, T, H, J, D)
+    if J > 1:
+        alpha = torch.softmax(torch.einsum("bthd,hjd->bthj", q, c) * scale, -1)
+        o = (alpha.unsqueeze(-1) * o).sum(3)
+    else:
+        o = o[:, :, :, 0]
+    if config.window_size > 0:
+        win = brute_force_window(q, k, v, pos, config.window_size, config.num_sink_tokens, mixer.rope_inv_freq,
+                                 scale)
+        gate_logit = mixer.window_gate.double() if config.window_gate == "head" else lin(mixer.gate_proj, x)
+        gate = torch.sigmoid(gate_logit).unsqueeze(-1)
+        o = gate * win + (1 - gate) * o
+    return lin(mixer.o_proj, o.reshape(B, T, H * D))
+
+
+@pytest.mark.parametrize("case", [c for c in MIXER_CASES if c != "parallel_residual"])
+def test_mixer_matches_brute_force_reference(case):
+    config = tiny_config(**MIXER_CASES[case])
+    model = tiny_model(**MIXER_CASES[case])
+    mixer = model.model.layers[1].mixer
+    x = torch.randn(3, 11, config.hidden_size, generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(3, 11, dtype=torch.bool)
+    mask[1, :3] = False  # left padding in the second row
+    mask[2, [3, 5, 6]] = False  # holes in the third: a masked token must leave the state alone (no decay either)
+    pos = (mask.long().cumsum(1) - 1).masked_fill(~mask, -1)
+    with torch.no_grad():
+        got = mixer(x, mask, pos)
+    want = reference_mixer(mixer, config, x, mask)
+    # The window branch keeps the last W cache entries, padding included: with holes it sees fewer than W real
+    # tokens. Only left and right padding (what generate() and batching make) match the position-based reference.
+    check = mask.clone()
+    if config.window_size:
+        check[2] = False
+    torch.testing.assert_close(got[check].double(), want[check], atol=2e-5, rtol=1e-5)
+    # teeth: the reference is not trivially satisfied (outputs vary along the sequence)
+    assert (want[0, 1:] - want[0, :-1]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("window,sinks,split", [(4, 0, 6), (4, 2, 6), (3, 3, 1), (5, 2, 9), (16, 2, 4)])
+def test_window_branch_matches_brute_force(window, sinks, split):
+    """window_attention (through the mixer's window branch) vs a T x T masked softmax, also when the sequence
+    arrives in two calls with the window and sinks carried in the cache. Left padding in row 1; GQA (4 q / 2 kv)."""
+    config = tiny_config(window_size=window, num_sink_tokens=sinks, num_key_value_heads=2, partial_rotary_factor=0.5)
+    mixer = tiny_model(window_size=window, num_sink_tokens=sinks, num_key_value_heads=2,
+                       partial_rotary_factor=0.5).model.layers[0].mixer
+    B, T, H, Hkv, D = 2, 13, 4, 2, config.head_dim
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = torch.randn(B, T, H, D, generator=gen), torch.randn(B, T, Hkv, D, generator=gen), torch.randn(
+        B, T, Hkv, D, generator=gen)
+    q, k = 3 * q, 3 * k  # peaked softmax: wrong key sets or wrong rotations show
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[1, :2] = False
+    pos = (mask.long().cumsum(1) - 1).masked_fill(~mask, -1)
+    want = brute_force_window(q, k, v, pos, window, sinks, mixer.rope_inv_freq, mixer.scale)
+    with torch.no_grad():
+        whole = mixer.window_branch(q, k, v, pos, None)
+        state = AarenLayerState()
+        parts = torch.cat([mixer.window_branch(q[:, :split], k[:, :split], v[:, :split], pos[:, :split], state),
+                           mixer.window_branch(q[:, split:], k[:, split:], v[:, split:], pos[:, split:], state)], 1)
+    torch.testing.assert_close(whole.double(), want, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(parts.double(), want, atol=2e-5, rtol=1e-5)
+    assert whole[1, :2].abs().max() == 0  # padding queries give 0
+    rot = config.rotary_dim
+    torch.testing.assert_close(mixer.rope_inv_freq, 1.0 / config.rope_theta ** (torch.arange(0, rot, 2) / rot))
+    if sinks and window + sinks < T:  # the sinks matter: dropping them changes the answer
+        no_sink = brute_force_window(q, k, v, pos, window, 0, mixer.rope_inv_freq, mixer.scale)
+        assert (no_sink - want).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("with_decay", [False, True])
+@pytest.mark.parametrize("score_range", [3.0, 1000.0])
+def test_scan_ops_match_brute_force(with_decay, score_range):
+    """Both PyTorch ops (chunked and token by token) vs a float64 T x T softmax: -inf padding, initial state,
+    scores spanning +-score_range, packed sequences (cu_seqlens)."""
+    gen = torch.Generator().manual_seed(0)
+    B, T, H, D = 2, 23, 3, 4
+    s = (torch.rand(B, T, H, generator=gen) * 2 - 1) * score_range
+    s[0, :4] = float("-inf")  # padding at the start of row 0: empty state, output 0
+    s[1, 10] = float("-inf")
+    v = torch.randn(B, T, H, D, generator=gen)
+    g = -torch.rand(B, T, H, generator=gen) * 0.5 if with_decay else None
+    init = (torch.randn(B, H, D, generator=gen), torch.randn(B, H, generator=gen) * score_range)
+    for initial in (None, init):
+        want, (want_o, want_lse) = brute_force_aaren(s, v, g, initial)
+        for op, kw in ((chunk_aaren_torch, dict(chunk_size=5)), (chunk_aaren_torch, dict(chunk_size=64)),
+                       (recurrent_aaren_torch, {})):
+            o, (fo, flse) = op(s, v, g, initial, True, **kw)
+            assert torch.isfinite(o).all()
+            torch.testing.assert_close(o.double(), want, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(fo.double(), want_o, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(flse.double(), want_lse, atol=1e-4 * max(1.0, score_range / 100), rtol=0)
+    # packed: two sequences in one row restart from the empty state at the boundary
+    cu = torch.tensor([0, 9, T])
+    o, _ = chunk_aaren_torch(s[1:], v[1:], None if g is None else g[1:], None, False, cu, 4)
+    first, _ = brute_force_aaren(s[1:, :9], v[1:, :9], None if g is None else g[1:, :9])
+    second, _ = brute_force_aaren(s[1:, 9:], v[1:, 9:], None if g is None else g[1:, 9:])
+    torch.testing.assert_close(o.double(), torch.cat([first, second], 1), atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Numerical robustness and dtypes
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_scores_spanning_thousands_stay_finite():
+    model = tiny_model(decay="input", window_size=4, num_sink_tokens=1, num_query_slots=2)
+    ids = random_ids(2, 15, seed=4)
+    layer0 = model.model.layers[0]
+    with torch.no_grad():
+        x0 = layer0.input_layernorm(model.model.embed_tokens(ids))
+        k = layer0.mixer.k_proj(x0).view(2, 15, 4, -1)
+        s = torch.einsum("btkd,kjd->btkj", k, layer0.mixer.queries) * layer0.mixer.scale
+        factor = 1000.0 / s.abs().max()
+        for layer in model.model.layers:
+            layer.mixer.queries.mul_(factor)
+        s = s * factor
+    assert s.max() > 300 and s.min() < -300  # scores really span about +-1000
+    with torch.no_grad():
+        full = model(ids).logits
+    step = incremental_logits(model, ids, (5,))
+    assert torch.isfinite(full).all() and torch.isfinite(step).all()
+    # near-hard-max weights amplify last-bit differences of the scores (1000 * 1e-7): compare relatively
+    torch.testing.assert_close(step, full, atol=1e-3, rtol=1e-3)
+
+
+def test_100k_tokens_through_chunked_prefill_and_recurrent_decode():
+    model = tiny_model(num_hidden_layers=1, hidden_size=16, num_attention_heads=2, intermediate_size=16,
+                       chunk_size=64, decay="input", window_size=4, num_sink_tokens=2)
+    T = 100_000
+    ids = random_ids(1, T, seed=5)
+    cache = AarenCache(model.config)
+    with torch.no_grad():
+        out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        bytes_after_prefill = cache.state_bytes()
+        steps = [model(ids[:, i : i + 1], past_key_values=cache, use_cache=True).logits for i in range(3)]
+    assert torch.isfinite(out.logits).all() and all(torch.isfinite(x).all() for x in steps)
+    layer = cache.layers[0]
+    assert torch.isfinite(layer.aaren_o).all() and torch.isfinite(layer.aaren_lse).all()
+    assert cache.get_seq_length() == T + 3 and int(cache.real_tokens) == T + 3
+    assert cache.state_bytes() == bytes_after_prefill  # nothing grew
+
+
+def test_100k_tokens_recurrent_op_after_long_history():
+    """The decode op continuing a 100k-token state (scores +-1000, decay) agrees with the chunked op."""
+    gen = torch.Generator().manual_seed(0)
+    T, tail = 100_000, 300
+    s = (torch.rand(1, T, 2, generator=gen) * 2 - 1) * 1000
+    v = torch.randn(1, T, 2, 4, generator=gen)
+    g = -torch.rand(1, T, 2, generator=gen) * 1e-3
+    o_full, _ = chunk_aaren_torch(s, v, g, None, False)
+    _, state = chunk_aaren_torch(s[:, :-tail], v[:, :-tail], g[:, :-tail], None, True)
+    o_tail, (fo, flse) = recurrent_aaren_torch(s[:, -tail:], v[:, -tail:], g[:, -tail:], state, True)
+    assert torch.isfinite(o_full).all() and torch.isfinite(fo).all() and torch.isfinite(flse).all()
+    torch.testing.assert_close(o_tail, o_full[:, -tail:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_models_keep_fp32_state(dtype):
+    case = MIXER_CASES["everything"]
+    model32 = tiny_model(**case)
+    model = tiny_model(**case).to(dtype)
+    ids = random_ids(2, 11, seed=2)
+    with torch.no_grad():
+        ref = model32(ids).logits
+        cache = AarenCache(model.config)
+        logits = model(ids, past_key_values=cache, use_cache=True).logits
+        for _ in range(3):
+            nxt = logits[:, -1:].argmax(-1)
+            logits = model(nxt, past_key_values=cache, use_cache=True).logits
+            assert torch.isfinite(logits).all()
+        full = model(ids).logits
+        generated = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert full.dtype == dtype and torch.isfinite(full).all()
+    assert generated.shape == (2, 15)
+    assert (full.float() - ref).abs().max() < 0.05 * ref.abs().max()  # close to the fp32 model
+    for layer in cache.layers:
+        assert layer.aaren_o.dtype == torch.float32 and layer.aaren_lse.dtype == torch.float32
+        assert layer.window_k.dtype == dtype and layer.window_v.dtype == dtype  # like a KV cache
+        assert torch.isfinite(layer.aaren_o).all()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bad input
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(hidden_size=30, num_attention_heads=4), "not divisible by num_attention_heads"),
+        (dict(num_attention_heads=4, num_key_value_heads=3), "must be a multiple of num_key_value_heads"),
+        (dict(decay="exponential"), "decay must be one of"),
+        (dict(norm_type="batchnorm"), "norm_type must be one of"),
+        (dict(window_size=4, window_gate="token"), "window_gate must be one of"),
+        (dict(mlp_type="moe"), "mlp_type must be one of"),
+        (dict(position_embedding_type="alibi"), "position_embedding_type must be one of"),
+        (dict(hidden_size=0), "hidden_size must be an integer > 0"),
+        (dict(num_hidden_layers=-1), "num_hidden_layers must be an integer > 0"),
+        (dict(chunk_size=0), "chunk_size must be an integer > 0"),
+        (dict(num_query_slots=0), "num_query_slots must be an integer > 0"),
+        (dict(window_size=-2), "window_size must be an integer >= 0"),
+        (dict(vocab_size=2.5), "vocab_size must be an integer > 0"),
+        (dict(num_sink_tokens=2), "num_sink_tokens > 0 needs the window branch"),
+        (dict(decay="fixed", decay_init=0.0), "decay_init must be > 0"),
+        (dict(partial_rotary_factor=1.5), "partial_rotary_factor must be in [0, 1]"),
+        (dict(aaren_format_version=AAREN_FORMAT_VERSION + 1), "newer aaren-hf"),
+    ],
+)
+def test_bad_config_values_are_rejected(kwargs, message):
+    with pytest.raises(ValueError, match=None) as err:
+        tiny_config(**kwargs)
+    assert message in str(err.value)
+
+
+def test_good_config_round_trips():
+    config = tiny_config(**MIXER_CASES["everything"])
+    again = AarenConfig.from_dict(config.to_dict())
+    assert again.to_dict() == config.to_dict()
+
+
+def test_input_longer_than_learned_position_table():
+    model = tiny_model(position_embedding_type="learned", max_position_embeddings=16)
+    with torch.no_grad():
+        model(random_ids(1, 16))  # exactly the table: fine
+        with pytest.raises(ValueError, match="learned position table holds 16 positions"):
+            model(random_ids(1, 17))
+        cache = AarenCache(model.config)
+        model(random_ids(1, 16), past_key_values=cache, use_cache=True)
+        with pytest.raises(ValueError, match="reaches position 16"):  # one more decode step
+            model(random_ids(1, 1), past_key_values=cache, use_cache=True)
+        with pytest.raises(ValueError, match="max_position_embeddings"):
+            model.generate(random_ids(1, 10), max_new_tokens=10, do_sample=False)
+
+
+def test_bad_forward_arguments():
+    model = tiny_model()
+    ids = random_ids(1, 5)
+    with pytest.raises(ValueError, match="exactly one of input_ids or inputs_embeds"):
+        model(input_ids=ids, inputs_embeds=model.get_input_embeddings()(ids))
+    with pytest.raises(ValueError, match="2D"):
+        model(ids, attention_mask=torch.ones(1, 1, 5, 5))
+    from transformers import DynamicCache
+
+    with pytest.raises(TypeError, match="must be an AarenCache"):
+        model(ids, past_key_values=DynamicCache(), use_cache=True)
+    with pytest.raises(NotImplementedError, match="cannot be rolled back"):
+        AarenCache(model.config).crop(3)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# PEFT
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_peft_lora_training_step_with_gradient_checkpointing_and_merge(monkeypatch):
+    import transformers.modeling_utils
+    from peft import LoraConfig, get_peft_model
+
+    checkpoint_calls = []
+    real_checkpoint = transformers.modeling_utils.checkpoint
+
+    def counting_checkpoint(function, *args, **kwargs):
+        checkpoint_calls.append(kwargs.get("use_reentrant"))
+        return real_checkpoint(function, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.modeling_utils, "checkpoint", counting_checkpoint)
+    model = tiny_model(window_size=4, num_sink_tokens=1, window_gate="input", num_query_slots=2)
+    ids = random_ids(2, 12, seed=8)
+    with torch.no_grad():
+        base_logits = model(ids).logits
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    targets = ["k_proj", "v_proj", "o_proj", "q_proj", "gate_proj", "up_proj", "down_proj"]
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets))
+    adapted = {n.split(".")[-4] for n, p in peft_model.named_parameters() if "lora_A" in n}
+    assert set(targets) <= adapted
+    peft_model.train()
+    optimizer = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=1e-2)
+    loss = peft_model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert checkpoint_calls == [False] * model.config.num_hidden_layers  # every layer ran checkpointed
+    grads = [p.grad for n, p in peft_model.named_parameters() if p.requires_grad]
+    assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
+    assert any(g.abs().max() > 0 for g in grads)
+    optimizer.step()
+
+    peft_model.eval()
+    with torch.no_grad():
+        adapted_logits = peft_model(input_ids=ids).logits
+        assert (adapted_logits - base_logits).abs().max() > 1e-3  # the step changed the model
+        merged = peft_model.merge_and_unload()
+        assert not any("lora" in n for n, _ in merged.named_parameters())
+        merged_logits = merged(input_ids=ids).logits
+    torch.testing.assert_close(merged_logits, adapted_logits, atol=1e-5, rtol=1e-5)
