@@ -38,7 +38,8 @@ class AarenConfig(PreTrainedConfig):
         qk_norm: RMSNorm on each head's query and key (Qwen3).
         parallel_residual: x + mixer(norm1(x)) + mlp(norm2(x)) (GPT-NeoX) instead of the sequential form.
         position_embedding_type: "none" | "learned" (absolute table of `max_position_embeddings`, GPT-2); inputs
-            longer than the table are an error.
+            longer than the table are an error. Without a table, `max_position_embeddings` defaults to 2**20: no
+            part of the model caps the context.
         rope_theta, partial_rotary_factor: rotary embedding of the window branch (factor 0: none, as for GPT-2 whose
             positions live in the learned table).
     """
@@ -66,7 +67,7 @@ class AarenConfig(PreTrainedConfig):
         qk_norm=False,
         parallel_residual=False,
         position_embedding_type="none",
-        max_position_embeddings=8192,
+        max_position_embeddings=None,
         rope_theta=10000.0,
         partial_rotary_factor=1.0,
         num_query_slots=1,
@@ -107,6 +108,10 @@ class AarenConfig(PreTrainedConfig):
         self.qk_norm = qk_norm
         self.parallel_residual = parallel_residual
         self.position_embedding_type = position_embedding_type
+        if max_position_embeddings is None:
+            # Without a learned table nothing caps the context (decay orders the Aaren state; the window branch sees
+            # bounded distances), so advertise a large limit to tools that read this field (generate, lm-eval).
+            max_position_embeddings = 1024 if position_embedding_type == "learned" else 1 << 20
         self.max_position_embeddings = max_position_embeddings
         self.rope_theta = rope_theta
         self.partial_rotary_factor = partial_rotary_factor

@@ -366,13 +366,13 @@ class AarenMixer(nn.Module):
         g = None
         if self.decay != "none":
             g = self.log_decay_per_token(x).masked_fill(~mask.unsqueeze(-1), 0.0)
-        init = None
+        carried = None
         if state is not None and state.aaren_o is not None:
-            init = (state.aaren_o, state.aaren_lse)
+            carried = (state.aaren_o, state.aaren_lse)
         if T == 1 and state is not None:
-            o, final = fused_recurrent_aaren(s, vv, g, init, True)
+            o, final = fused_recurrent_aaren(s, vv, g, carried, True)
         else:
-            o, final = chunk_aaren(s, vv, g, init, state is not None, chunk_size=self.chunk_size)
+            o, final = chunk_aaren(s, vv, g, carried, state is not None, chunk_size=self.chunk_size)
         if state is not None:
             state.aaren_o, state.aaren_lse = final
         o = o.view(B, T, H, J, D)

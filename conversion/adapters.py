@@ -155,8 +155,7 @@ class LlamaAdapter:
             attention_out_bias=attention_out_bias,
             qk_norm=model_type == "qwen3",
             parallel_residual=False,
-            position_embedding_type="none",
-            max_position_embeddings=cfg.max_position_embeddings,
+            position_embedding_type="none",  # no table: the student's context is not capped (config default)
             rope_theta=theta,
             partial_rotary_factor=partial,
         )
@@ -344,8 +343,7 @@ class GPTNeoXAdapter:
             attention_out_bias=bool(getattr(cfg, "attention_bias", True)),
             qk_norm=False,
             parallel_residual=bool(cfg.use_parallel_residual),
-            position_embedding_type="none",
-            max_position_embeddings=cfg.max_position_embeddings,
+            position_embedding_type="none",  # no table: the student's context is not capped (config default)
             rope_theta=theta,
             partial_rotary_factor=partial,
         )

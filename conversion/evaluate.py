@@ -420,7 +420,7 @@ def recall_probe(model, tokenizer, distances: Sequence[int] = DEFAULT_RECALL_DIS
                  seed: int = 0, *, filler_ids=None, key_digits: int = 5) -> dict:
     """Passkey retrieval at several distances: can the model copy a random number it saw ``distance`` tokens ago?
 
-    Each trial is ``intro + " The pass key is <key>. Remember it. <key> is the pass key.\\n" + <distance filler
+    Each trial is ``intro + " The pass key is <key>. Remember it.\\n" + <distance filler
     tokens> + "\\nWhat is the pass key? The pass key is" + " <key>"``. The filler is ``distance`` tokens of held-out
     text (``filler_ids``, a 1D token sequence; a random slice per trial) or, without it, a generic repeated filler
     ("The grass is green. ..."). Keys and filler slices depend only on ``seed``, so teacher, student and baseline see
@@ -473,7 +473,7 @@ def recall_probe(model, tokenizer, distances: Sequence[int] = DEFAULT_RECALL_DIS
                 lead = 0
                 while lead < len(key_ids) - 1 and tokenizer.decode(key_ids[: lead + 1]).strip() == "":
                     lead += 1
-                after_key = _ids(tokenizer, f". Remember it. {key} is the pass key.\n")
+                after_key = _ids(tokenizer, ". Remember it.\n")  # one occurrence of the key only
                 stretch = (filler[offset:] + filler * (distance // len(filler) + 2))[:distance]
                 context = intro + before_key + key_ids + after_key + stretch + question + key_ids[:lead]
                 target = key_ids[lead:]
@@ -707,8 +707,9 @@ def format_table(results: dict) -> str:
         first = probes[0]
         out.append(
             f"{first['task']}; {first['n_trials']} trials per distance; filler: {first['filler']}. "
-            "Cells: exact-match accuracy (fraction of key digits). Distance: filler tokens between the key and the "
-            "question; key to answer: tokens from the key to the answer."
+            "Cells: exact-match accuracy (fraction of key digits right). Distance: filler tokens between the key and "
+            "the question; key to answer: how far back the first answer step must look to see the key's first "
+            "digit (a window needs W > this)."
         )
         out.append("")
         names = [p["name"] for p in probes]

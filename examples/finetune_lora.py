@@ -20,11 +20,9 @@ tokens when there are fewer than 10 documents).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -341,7 +339,7 @@ def main(argv=None):
         gradient_accumulation_steps=args.grad_accum,
         learning_rate=args.lr,
         lr_scheduler_type="cosine",
-        warmup_steps=max(1, args.max_steps // 10),
+        warmup_steps=args.max_steps // 10 if args.max_steps >= 20 else 0,  # warmup's first step has lr 0
         logging_steps=max(1, args.max_steps // 10),
         save_strategy="no",
         report_to=[],

@@ -216,7 +216,7 @@ def main(argv=None):
 
     if args.dry_run:
         visibility = "public" if args.public else "private"
-        print(f"dry run: nothing is uploaded, nothing is contacted")
+        print("dry run: nothing is uploaded, nothing is contacted")
         print(f"repo: {repo_id} ({visibility}, model){'' if '/' in repo_id else ' under the token owner account'}")
         source = token_source()
         print(f"token: {'from ' + source if source else 'none found (the real upload needs `hf auth login` or HF_TOKEN)'}")

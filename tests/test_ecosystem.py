@@ -5,7 +5,6 @@ when `lm_eval` is not installed (it is not a dependency of aaren-hf).
 """
 
 import math
-from pathlib import Path
 
 import pytest
 import torch

@@ -487,10 +487,10 @@ def test_finetune_runs_unchanged_on_two_processes(tiny_folder, tmp_path):
     env.update(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"), OMP_NUM_THREADS="1")
     torchrun = Path(sys.executable).with_name("torchrun")
     result = subprocess.run(
-        [str(torchrun), "--nproc_per_node", "2", "--master_port", "0", str(EXAMPLES / "finetune_lora.py"),
+        [str(torchrun), "--standalone", "--nproc_per_node", "2", str(EXAMPLES / "finetune_lora.py"),
          "--model", str(tiny_folder), "--text-file", str(_write_docs(tmp_path / "docs.jsonl")), "--max-steps", "2",
          "--batch-size", "2", "--seq-len", "32", "--eval-blocks", "2", "--output-dir", str(out_dir)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     assert "(2 process(es))" in result.stdout
     assert result.stdout.count("held-out perplexity before:") == 2  # printed by the main process only (start, end)
