@@ -140,7 +140,8 @@ def _scan(s, v, g, o_init, lse_init, C):
     if N == 1:
         o_in, lse_in = o_init.unsqueeze(2), lse_init.unsqueeze(2)
     else:
-        o_sum, lse_sum = _scan(lse_loc[..., -1], o_loc[..., -1, :], b[..., -1], o_init, lse_init, C)
+        # (chunks of at least 16 summaries, so that the recursion shrinks even for tiny chunk sizes)
+        o_sum, lse_sum = _scan(lse_loc[..., -1], o_loc[..., -1, :], b[..., -1], o_init, lse_init, max(C, 16))
         o_in = torch.cat([o_init.unsqueeze(2), o_sum[:, :, :-1]], 2)
         lse_in = torch.cat([lse_init.unsqueeze(2), lse_sum[:, :, :-1]], 2)
     o, lse = merge_states(o_loc, lse_loc, o_in.unsqueeze(3).expand_as(o_loc), lse_in.unsqueeze(3) + b)

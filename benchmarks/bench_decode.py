@@ -23,6 +23,8 @@ Measurement:
     memory children, so each prefill runs once) and interleaves single decode steps round-robin, in a shuffled
     order each round, so that load from other jobs on a shared machine hits all rows alike. Median over --steps
     steps after --warmup steps.
+  * The header names the git commit and a hash of aaren_hf's source; every subprocess reports its own hash, and a
+    WARNING line says so when the source changed during the run (numbers from two versions).
 
 Usage:
     python benchmarks/bench_decode.py                      # full run: T = 1K, 4K, 16K, 64K

@@ -29,7 +29,7 @@ examples:
   aaren-convert --recipe smollm2-135m --resume
 
   # 2 processes on a CPU (layers of stage 1 are split; stage 2 is data-parallel)
-  torchrun --nproc_per_node 2 -m aaren_hf.conversion.cli --recipe smollm2-135m
+  torchrun --standalone --nproc_per_node 2 -m aaren_hf.conversion.cli --recipe smollm2-135m
 
   aaren-convert recipes                 # list the named recipes
   aaren-convert eval --model ./SmolLM2-135M-Instruct-aaren
@@ -94,9 +94,10 @@ def _distances(text: str) -> tuple:
 def convert_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="aaren-convert [convert]",
-        description="Convert a pretrained causal Transformer (Llama family, Qwen2/3, Mistral, GPT-2, GPT-NeoX) into "
-                    "an Aaren model (constant-memory recurrent attention) by distillation. Other subcommands: "
-                    "`aaren-convert eval --model DIR`, `aaren-convert recipes`.",
+        description="Convert a pretrained causal Transformer (Llama family, Qwen2/3, Mistral, GPT-2, GPT-NeoX) into\n"
+                    "an Aaren model (constant-memory recurrent attention) by distillation.\n"
+                    "Other subcommands: `aaren-convert eval --model DIR`, `aaren-convert recipes`.\n"
+                    "Give --recipe NAME (defaults for a known teacher) or --teacher NAME_OR_PATH; flags override.",
         epilog=CONVERT_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -205,7 +206,7 @@ def top_help() -> str:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def options_from_args(args, parser) -> "ConvertOptions":  # noqa: F821
+def options_from_args(args, parser):
     from .convert import ConvertOptions, apply_overrides, options_from_recipe
 
     if args.recipe is None and args.teacher is None:

@@ -342,7 +342,9 @@ def convert(opts: ConvertOptions, accelerator=None) -> Optional[Path]:
     from accelerate.utils import set_seed
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    accelerator = accelerator or Accelerator(cpu=opts.cpu)
+    # On a machine without a GPU, a plain Accelerator() under torchrun stays a single process; cpu=True gives the
+    # gloo process group (MULTI_CPU).
+    accelerator = accelerator or Accelerator(cpu=opts.cpu or not torch.cuda.is_available())
     main, rank, world = accelerator.is_main_process, accelerator.process_index, accelerator.num_processes
     started = time.time()
 
@@ -391,7 +393,7 @@ def convert(opts: ConvertOptions, accelerator=None) -> Optional[Path]:
         init_file, init_json = work / "init.safetensors", work / "init.json"
         new_names = new_parameter_names(student)
         if init_file.is_file() and init_json.is_file():
-            ts._load_into(student, ts.load_file(init_file))
+            ts.load_tensors_into(student, init_file)
             init_report = json.loads(init_json.read_text())
             say("init: loaded from the work folder (resumed)")
         else:

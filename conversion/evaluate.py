@@ -10,8 +10,9 @@ are part of every result):
 - :func:`streaming_llm_baseline`: the teacher itself, untrained, seeing only the first S tokens (attention sinks)
   and the last W tokens, as a StreamingLLM cache would (Xiao et al. 2023). Implemented as the teacher's ordinary
   forward with a custom 4D attention mask.
-- :func:`equal_memory_window`: the baseline window W for which the teacher's KV bytes for S + W tokens equal the
-  student's whole state (Aaren state + its window keys/values), so both are compared at the same memory.
+- :func:`equal_memory_window`: the baseline window W for which the teacher's KV cache (S + W - 1 tokens held
+  between steps) equals the student's whole state (Aaren state + its window keys/values), so both are compared at
+  the same memory.
 - :func:`recall_probe`: passkey retrieval over distance (exact match of greedy decoding, computed in one forward).
 - :func:`state_bytes_table`: the student's measured state bytes (constant) vs the teacher's KV cache (linear).
 - :func:`sample_generations`: greedy continuations of a few prompts.
@@ -27,7 +28,7 @@ import math
 import random
 import sys
 import time
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -207,7 +208,7 @@ class StreamingLLMBaseline(nn.Module):
     """The teacher, untrained, seeing only the first ``sinks`` tokens and the last ``window`` tokens.
 
     It is what a StreamingLLM cache (Xiao et al. 2023, "Efficient Streaming Language Models with Attention Sinks")
-    holds: S sink tokens + a rolling window of W tokens, so its memory is S + W tokens of keys/values, constant in the
+    holds: S sink tokens + a rolling window, constant in the
     context. Implemented for scoring as the teacher's ordinary full-sequence forward with a custom 4D additive mask
     (:func:`streaming_llm_mask`); every query sees exactly the keys such a cache would hold at its step, so
     perplexity and teacher-forced scores equal those of token-by-token decoding with that cache.
@@ -217,7 +218,10 @@ class StreamingLLMBaseline(nn.Module):
     teacher's trained context (here: every evaluation window, max_position_embeddings = 8192 for SmolLM2) natural
     positions are the ones the model saw in training, and the re-positioning only matters past the trained length.
     One difference remains: a re-positioned sink is seen at relative distance <= S + W - 1 (as the Aaren window
-    branch does), here at its true distance. Past the trained length this baseline is not defined (a learned position
+    branch does), here at its true distance. Measured on SmolLM2-135M (16 Python-docs windows of 512 tokens, S=1,
+    W=64): perplexity 18.36 with natural positions vs 18.28 with the sink re-positioned (the Aaren window branch
+    with all weights from the teacher and its gate at 1); without a sink the two agree exactly (65.40), which
+    also checks that this mask and the Aaren window branch see the same tokens. Past the trained length this baseline is not defined (a learned position
     table such as GPT-2's has no entries there; RoPE models would extrapolate): :func:`recall_probe` skips those.
 
     Needs ``attn_implementation`` "eager" or "sdpa" (flash attention takes no arbitrary mask). Teachers whose config
@@ -246,10 +250,13 @@ class StreamingLLMBaseline(nn.Module):
 
     @property
     def kv_tokens(self) -> int:
-        return self.sinks + self.window
+        """Tokens held between decoding steps: S sinks + the W - 1 tokens before the next one (which computes its own
+        key and value on the fly and sees W tokens in all), the same convention as the AarenCache window."""
+        return self.sinks + self.window - 1
 
     def kv_bytes(self, dtype: Optional[torch.dtype] = None) -> int:
-        """Bytes of a StreamingLLM cache of S + W tokens (per sequence), in ``dtype`` (default: the teacher's)."""
+        """Bytes of the StreamingLLM cache (``kv_tokens`` = S + W - 1 tokens, per sequence), in ``dtype`` (default:
+        the teacher's)."""
         dtype = dtype or _param_dtype(self.teacher)
         return self.kv_tokens * teacher_kv_bytes_per_token(self.teacher.config, dtype)
 
@@ -301,35 +308,36 @@ def aaren_state_bytes(student_config, kv_dtype: torch.dtype = torch.float32) -> 
     ``AarenCache.state_bytes()`` measured after a forward of >= window_size tokens, batch 1):
 
     per layer, Aaren state in float32: (mean value [H*J, D] + log normaliser [H*J]) * 4 bytes; with the window
-    branch, keys + values of W window and S sink tokens in ``kv_dtype`` (2 * (W+S) * Hkv * D) and their positions
-    (int64, W + S)."""
+    branch, keys + values of the W - 1 window tokens kept between steps (the next token adds its own) and of the S
+    sinks in ``kv_dtype`` (2 * (W-1+S) * Hkv * D), and their positions (int64, W - 1 + S)."""
     c = student_config
     H, J, D, Hkv = c.num_attention_heads, c.num_query_slots, c.head_dim, c.num_key_value_heads
     per_layer = (H * J * D + H * J) * 4
     if c.window_size > 0:
-        tokens = c.window_size + c.num_sink_tokens
+        tokens = c.window_size - 1 + c.num_sink_tokens
         per_layer += 2 * tokens * Hkv * D * _bytes_of(kv_dtype) + tokens * 8
     return c.num_hidden_layers * per_layer
 
 
 def equal_memory_window(student_config, teacher_config, sinks: int, kv_dtype: torch.dtype = torch.float32) -> dict:
-    """The StreamingLLM window W such that the teacher's KV bytes for S + W tokens equal (at most) the student's full
+    """The StreamingLLM window W such that the teacher's KV cache (S + W - 1 tokens held between steps: the sinks and
+    the W - 1 tokens before the next one, which sees W tokens with itself) equals (at most) the student's full
     state bytes (Aaren state + its window and sink keys/values + position bookkeeping), both per sequence in
     ``kv_dtype`` for keys/values (the Aaren part is always float32).
 
-    W = floor(student_bytes / teacher_bytes_per_token) - S, at least 1 (``clamped`` says when the student's state is
-    smaller than S + 1 teacher tokens). Returns the window and both byte counts."""
+    W = floor(student_bytes / teacher_bytes_per_token) - S + 1, at least 1 (``clamped`` says when the student's state is
+    smaller than S teacher tokens). Returns the window and both byte counts."""
     student_bytes = aaren_state_bytes(student_config, kv_dtype)
     per_token = teacher_kv_bytes_per_token(teacher_config, kv_dtype)
     tokens = student_bytes // per_token
-    window = tokens - sinks
+    window = tokens - sinks + 1
     clamped = window < 1
     window = max(1, window)
     return {
         "window": int(window),
         "sinks": int(sinks),
         "student_state_bytes": int(student_bytes),
-        "baseline_kv_bytes": int((window + sinks) * per_token),
+        "baseline_kv_bytes": int((window - 1 + sinks) * per_token),
         "teacher_kv_bytes_per_token": int(per_token),
         "student_window": int(student_config.window_size),
         "student_sinks": int(student_config.num_sink_tokens),
@@ -344,7 +352,7 @@ def state_bytes_table(student, teacher_config, contexts: Sequence[int] = (4096, 
     """The student's state bytes, measured from an ``AarenCache`` after a forward (and again after more tokens, to
     show it is constant), vs the teacher's KV-cache bytes (2 * layers * kv_heads * head_dim * T * bytes) at
     ``contexts``. ``kv_dtype`` (default: the student's parameter dtype) is used for the teacher's cache.
-    ``baseline``: an :func:`equal_memory_window` result, whose S + W token cache is added as a column.
+    ``baseline``: an :func:`equal_memory_window` result, whose S + W - 1 token cache is added as a column.
     Per sequence (batch 1)."""
     from aaren_hf.modeling_aaren import AarenCache
 
@@ -622,7 +630,7 @@ def evaluate(student, teacher, tokenizer, heldout_windows, *, sinks: int = 1, wi
                "student's window" if w == student.config.window_size else "chosen window")
         say(f"perplexity: StreamingLLM baseline S={sinks} W={w} ({tag})")
         entry = {"name": f"teacher, StreamingLLM S={sinks} W={w} ({tag})", "kind": "baseline", "sinks": sinks,
-                 "window": w, "memory_bytes": (sinks + w) * per_token, "memory_note": "constant",
+                 "window": w, "memory_bytes": base.kv_bytes(kv_dtype), "memory_note": "constant",
                  "ppl": perplexity(base, windows, batch_size, long_range_from)}
         models.append(entry)
         baselines[entry["name"]] = base

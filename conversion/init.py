@@ -218,6 +218,24 @@ def initialize_student(student, teacher, calibration_windows: torch.Tensor, *, s
               "kmeans_iterations": kmeans_iterations, "decay_spread": decay_spread, "query_scale": query_scale,
               "layers": []}
     dtype = mixers[0].queries.dtype
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # thousands of tiny k-means ops: thread barriers cost more than they give
+    try:
+        _set_layers(layers, mixers, stats, report, H, J, D, dtype, multipliers, seed, kmeans_points,
+                    kmeans_iterations, query_scale, gate_clip, cfg)
+    finally:
+        torch.set_num_threads(threads)
+    first, last = report["layers"][0], report["layers"][-1]
+    say(f"init: {windows.shape[0]} calibration windows; mean attention distance layer 0 "
+        f"{min(first['mean_distance']):.1f}-{max(first['mean_distance']):.1f}, layer {len(mixers) - 1} "
+        f"{min(last['mean_distance']):.1f}-{max(last['mean_distance']):.1f} tokens"
+        + (f"; window share layer 0 {min(first['window_share']):.2f}-{max(first['window_share']):.2f}"
+           if "window_share" in first else ""))
+    return report
+
+
+def _set_layers(layers, mixers, stats, report, H, J, D, dtype, multipliers, seed, kmeans_points, kmeans_iterations,
+                query_scale, gate_clip, cfg):
     for layer_idx, (tlayer, mixer) in enumerate(zip(layers, mixers)):
         st = stats[layer_idx]
         x = st.pop("inputs").to(next(tlayer.attention.parameters()).dtype)
@@ -261,13 +279,6 @@ def initialize_student(student, teacher, calibration_windows: torch.Tensor, *, s
                 mixer.gate_proj.bias.copy_(logits.to(mixer.gate_proj.bias.dtype))
             entry["window_share"] = [round(float(v), 3) for v in share]
         report["layers"].append(entry)
-    first, last = report["layers"][0], report["layers"][-1]
-    say(f"init: {windows.shape[0]} calibration windows; mean attention distance layer 0 "
-        f"{min(first['mean_distance']):.1f}-{max(first['mean_distance']):.1f}, layer {len(mixers) - 1} "
-        f"{min(last['mean_distance']):.1f}-{max(last['mean_distance']):.1f} tokens"
-        + (f"; window share layer 0 {min(first['window_share']):.2f}-{max(first['window_share']):.2f}"
-           if "window_share" in first else ""))
-    return report
 
 
 def new_parameter_names(student) -> list[str]:

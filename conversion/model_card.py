@@ -160,7 +160,7 @@ def render_model_card(recipe_info: dict, results: Optional[dict], model_name: Op
             lines.append(f"| {key} | {value} |")
             known.add(key)
     for key, value in recipe_info.items():
-        if key not in known:
+        if key not in known and value is not None:
             lines.append(f"| {_value(key)} | {_value(value)} |")
     stages = recipe_info.get("stages") or []
     if stages:
@@ -168,7 +168,7 @@ def render_model_card(recipe_info: dict, results: Optional[dict], model_name: Op
         for i, stage in enumerate(stages, 1):
             if isinstance(stage, dict):
                 title = stage.get("name", f"stage {i}")
-                rest = ", ".join(f"{k}: {_value(v)}" for k, v in stage.items() if k != "name")
+                rest = ", ".join(f"{k}: {_value(v)}" for k, v in stage.items() if k != "name" and v is not None)
                 lines.append(f"{i}. **{title}**" + (f": {rest}" if rest else ""))
             else:
                 lines.append(f"{i}. {stage}")

@@ -18,7 +18,6 @@ a finished layer is stored as ``stage1/layer_XXX.safetensors`` + ``.json``, so a
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -169,7 +168,9 @@ def mixer_trainable_parameters(mixer, train_teacher_weights: bool = True) -> tup
 
 
 def lr_at(step: int, total: int, lr: float, warmup: int, min_ratio: float) -> float:
-    """Linear warmup over ``warmup`` steps, then cosine from lr to lr * min_ratio at ``total``."""
+    """Linear warmup over ``warmup`` steps (at most a fifth of the run), then cosine from lr to lr * min_ratio at
+    ``total``."""
+    warmup = min(warmup, total // 5)
     if warmup > 0 and step < warmup:
         return lr * (step + 1) / warmup
     progress = (step - warmup) / max(1, total - warmup)

@@ -176,7 +176,7 @@ def run_stage2(student, teacher, train_windows: torch.Tensor, heldout_windows: t
     from accelerate import Accelerator
 
     say = log or (lambda message: None)
-    accelerator = accelerator or Accelerator(cpu=True)
+    accelerator = accelerator or Accelerator(cpu=not torch.cuda.is_available())
     world, rank = accelerator.num_processes, accelerator.process_index
     main = accelerator.is_main_process
     folder = Path(work_dir) / "stage2"

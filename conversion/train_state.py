@@ -45,6 +45,8 @@ __all__ = [
     "load_optimizer_state",
     "latest_checkpoint",
     "load_checkpoint",
+    "load_tensors_into",
+    "Progress",
     "save_checkpoint",
     "sample_indices",
     "trainable_state",
@@ -257,6 +259,11 @@ def _load_into(module: torch.nn.Module, tensors: dict, strict_names: bool = True
             if tuple(target.shape) != tuple(value.shape):
                 raise CheckpointError(f"{name}: checkpoint shape {tuple(value.shape)} vs model {tuple(target.shape)}")
             target.copy_(value.to(target.dtype))
+
+
+def load_tensors_into(module: torch.nn.Module, path) -> None:
+    """Copy the tensors of a safetensors file into ``module``'s parameters/buffers of the same names."""
+    _load_into(module, load_file(Path(path)))
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -117,9 +117,10 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """(teacher folder, data folder); the token cache goes to a temporary AAREN_HF_CACHE."""
+    """(teacher folder, data folder); the token cache goes to a temporary AAREN_HF_CACHE (restored after this
+    module, so other test files see the real cache)."""
     root = tmp_path_factory.mktemp("tiny")
     old = os.environ.get("AAREN_HF_CACHE")
     os.environ["AAREN_HF_CACHE"] = str(root / "cache")
@@ -240,6 +241,17 @@ def test_capture_matches_teacher_attention_output(parts):
         assert torch.allclose(r + layer.mlp(layer.post_attention_norm(r)), hidden[1], atol=1e-4)
 
 
+def test_capture_spills_to_disk_when_memory_is_short(parts, tmp_path):
+    from aaren_hf.conversion.stage1 import capture_attention
+
+    ids = parts["train"][:3]
+    in_ram = capture_attention(parts["teacher"], ids, [0, 1])
+    on_disk = capture_attention(parts["teacher"], ids, [0, 1], spill_dir=tmp_path, memory_fraction=0.0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x000.bin", "x001.bin", "y000.bin", "y001.bin"]
+    for i in (0, 1):
+        assert torch.equal(in_ram[i][0], on_disk[i][0]) and torch.equal(in_ram[i][1], on_disk[i][1])
+
+
 def test_frozen_teacher_weights_option(parts):
     from aaren_hf.conversion.stage1 import mixer_trainable_parameters
 
@@ -319,7 +331,6 @@ def test_fixed_decay_stays_frozen(parts):
 def test_full_conversion_output_loads_and_generates(tiny, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import aaren_hf  # noqa: F401
     from aaren_hf.conversion.convert import convert
 
     teacher, data = tiny
@@ -357,6 +368,23 @@ def test_full_conversion_output_loads_and_generates(tiny, tmp_path):
         convert(tiny_options(teacher, data, out))
 
 
+def test_cli_eval_subcommand(tiny, tmp_path, capsys):
+    """`aaren-convert eval` finds teacher, data and held-out split in the model's conversion.json."""
+    from aaren_hf.conversion.convert import convert
+
+    teacher, data = tiny
+    out = tmp_path / "student"
+    convert(tiny_options(teacher, data, out, stage1={"steps": 1}, stage2={"steps": 1}))
+    code, text, err = run_cli(["eval", "--model", str(out), "--quick", "--recall-distances", "16",
+                               "--json", str(tmp_path / "eval.json")], capsys)
+    assert code == 0, err
+    assert "### Perplexity" in text and "student (Aaren)" in text
+    results = json.loads((tmp_path / "eval.json").read_text())
+    assert results["setup"]["window_length"] == 48
+    code, _, err = run_cli(["eval", "--model", str(tmp_path / "missing")], capsys)
+    assert code == 2 and "not a model folder" in err
+
+
 def test_unsupported_teacher_type(tmp_path):
     from transformers import BertConfig
 
@@ -392,7 +420,7 @@ def test_cli_help(capsys):
     code, out, _ = run_cli(["--help"], capsys)
     assert code == 0
     for text in ("--recipe", "--teacher", "--resume", "--trainable", "examples:", "aaren-convert recipes",
-                 "torchrun --nproc_per_node 2"):
+                 "torchrun --standalone --nproc_per_node 2"):
         assert text in out
     code, out, _ = run_cli(["eval", "--help"], capsys)
     assert code == 0 and "--model" in out

@@ -157,6 +157,7 @@ def test_hub_dataset_offline_error(monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.smoke
 def test_packaged_corpus_with_real_tokenizer(tmp_path):
     from transformers import AutoTokenizer
 

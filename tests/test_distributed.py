@@ -10,6 +10,7 @@ while bitwise equality is not expected across process counts).
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -17,30 +18,43 @@ import sys
 import pytest
 import torch
 
-from test_conversion import cli_args, cli_env, make_corpus, make_tiny_teacher, read_weights
+from test_conversion import cli_args, cli_env, make_corpus, make_tiny_teacher, read_weights, tiny_options
 
 TOLERANCE = 1e-4
 
 
 def test_two_processes_match_one(tmp_path):
+    from aaren_hf.conversion.convert import convert
+
     torchrun = shutil.which("torchrun") or str(__import__("pathlib").Path(sys.executable).with_name("torchrun"))
     teacher = make_tiny_teacher(tmp_path / "teacher")
     data = make_corpus(tmp_path / "data")
     env = cli_env(tmp_path / "cache")
     env["OMP_NUM_THREADS"] = "1"
 
+    # one process, here (tiny_options is the same run as cli_args), one thread like each torchrun worker
     single = tmp_path / "single"
-    one = subprocess.run([sys.executable, "-m", "aaren_hf.conversion.cli", *cli_args(teacher, data, single),
-                          "--threads", "1"], env=env, capture_output=True, text=True, timeout=300)
-    assert one.returncode == 0, one.stderr[-3000:]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    old_cache = os.environ.get("AAREN_HF_CACHE")
+    os.environ["AAREN_HF_CACHE"] = env["AAREN_HF_CACHE"]
+    try:
+        convert(tiny_options(teacher, data, single))
+    finally:
+        torch.set_num_threads(threads)
+        if old_cache is None:
+            os.environ.pop("AAREN_HF_CACHE", None)
+        else:
+            os.environ["AAREN_HF_CACHE"] = old_cache
 
     double = tmp_path / "double"
-    two = subprocess.run([torchrun, "--nproc_per_node", "2", "--master_port", "0", "-m", "aaren_hf.conversion.cli",
+    two = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", "-m", "aaren_hf.conversion.cli",
                           *cli_args(teacher, data, double), "--threads", "1"],
                          env=env, capture_output=True, text=True, timeout=300)
     assert two.returncode == 0, two.stderr[-3000:]
     assert "(2 process(es)" in two.stderr
-    assert "1 accumulation step(s)" in two.stderr and "2 accumulation step(s)" in one.stderr
+    assert "1 accumulation step(s)" in two.stderr
+    assert "2 accumulation step(s)" in (single / "conversion.log").read_text()
 
     a, b = read_weights(single), read_weights(double)
     assert set(a) == set(b)

@@ -154,22 +154,26 @@ def test_equal_memory_window_arithmetic():
     student_config = AarenConfig(vocab_size=64, hidden_size=576, intermediate_size=64, num_hidden_layers=30,
                                  num_attention_heads=9, num_key_value_heads=3, head_dim=64, num_query_slots=4,
                                  window_size=64, num_sink_tokens=1)
-    per_layer = (9 * 4 * 64 + 9 * 4) * 4 + 2 * 65 * 3 * 64 * 4 + 65 * 8
-    assert ev.aaren_state_bytes(student_config) == 30 * per_layer == 3_291_600
+    # the cache keeps W - 1 window tokens + S sinks between steps (the next token brings its own key and value)
+    per_layer = (9 * 4 * 64 + 9 * 4) * 4 + 2 * 64 * 3 * 64 * 4 + 64 * 8
+    assert ev.aaren_state_bytes(student_config) == 30 * per_layer == 3_245_280
     assert ev.teacher_kv_bytes_per_token(teacher_config) == 2 * 30 * 3 * 64 * 4 == 46_080
     result = ev.equal_memory_window(student_config, teacher_config, sinks=1)
-    assert result["window"] == 3_291_600 // 46_080 - 1 == 70
-    assert result["baseline_kv_bytes"] == 71 * 46_080 <= result["student_state_bytes"] < 72 * 46_080
+    assert result["window"] == 3_245_280 // 46_080 - 1 + 1 == 70  # S + W - 1 = 70 tokens held
+    assert result["baseline_kv_bytes"] == 70 * 46_080 <= result["student_state_bytes"] < 71 * 46_080
     assert not result["clamped"]
     # bf16 keys/values: the float32 Aaren part weighs relatively more
     half = ev.equal_memory_window(student_config, teacher_config, sinks=4, kv_dtype=torch.bfloat16)
-    assert half["window"] == (30 * ((9 * 4 * 64 + 36) * 4 + 2 * 65 * 3 * 64 * 2 + 65 * 8)) // 23_040 - 4
-    # the paper's form (no window) holds less than S + 1 teacher tokens: clamped to a window of 1
+    assert half["window"] == (30 * ((9 * 4 * 64 + 36) * 4 + 2 * 64 * 3 * 64 * 2 + 64 * 8)) // 23_040 - 4 + 1
+    # the paper's form (no window): 70200 bytes, one teacher token; with 1 sink the window is the token itself,
+    # with 4 sinks it would be negative and is clamped to 1
     paper = AarenConfig(vocab_size=64, hidden_size=576, intermediate_size=64, num_hidden_layers=30,
                         num_attention_heads=9, num_key_value_heads=3, head_dim=64)
-    assert ev.equal_memory_window(paper, teacher_config, sinks=1) | {"window": 1} == \
-        ev.equal_memory_window(paper, teacher_config, sinks=1)
-    assert ev.equal_memory_window(paper, teacher_config, sinks=1)["clamped"]
+    assert ev.aaren_state_bytes(paper) == 30 * (9 * 64 + 9) * 4 == 70_200
+    one = ev.equal_memory_window(paper, teacher_config, sinks=1)
+    assert (one["window"], one["clamped"], one["baseline_kv_bytes"]) == (1, False, 46_080)
+    four = ev.equal_memory_window(paper, teacher_config, sinks=4)
+    assert (four["window"], four["clamped"]) == (1, True)
     # GPT-2 style config (n_layer / n_head / n_embd, no kv heads)
     assert ev.teacher_kv_bytes_per_token(GPT2Config(n_embd=32, n_layer=2, n_head=4)) == 2 * 2 * 4 * 8 * 4
 
@@ -182,6 +186,10 @@ def test_state_bytes_constant_kv_linear(student, teacher):
     assert len({r["student_state_bytes"] for r in rows}) == 1
     per_token = 2 * 2 * 2 * 8 * 4
     assert [r["teacher_kv_bytes"] for r in rows] == [per_token * T for T in (100, 1000, 10000)]
+    # a StreamingLLM cache holds its S sinks and the W - 1 tokens before the next one, like the student's window
+    assert ev.streaming_llm_baseline(teacher, 1, 8).kv_bytes() == (1 + 7) * per_token
+    equal = ev.equal_memory_window(student.config, teacher.config, sinks=1)
+    assert equal["baseline_kv_bytes"] <= table["student_state_bytes"] < equal["baseline_kv_bytes"] + per_token
 
 
 # ---------------------------------------------------------------------------------------------------------------

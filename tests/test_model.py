@@ -268,7 +268,11 @@ def test_100k_tokens_recurrent_op_after_long_history():
     _, state = chunk_aaren_torch(s[:, :-tail], v[:, :-tail], g[:, :-tail], None, True)
     o_tail, (fo, flse) = recurrent_aaren_torch(s[:, -tail:], v[:, -tail:], g[:, -tail:], state, True)
     assert torch.isfinite(o_full).all() and torch.isfinite(fo).all() and torch.isfinite(flse).all()
-    torch.testing.assert_close(o_tail, o_full[:, -tail:], atol=1e-5, rtol=1e-5)
+    # Scores of +-1000 leave fp32 about 1e-4 of absolute precision in the exponent (eps * 1000): both paths are
+    # held to that against a float64 run of the same data.
+    o_ref, _ = chunk_aaren_torch(s.double(), v.double(), g.double(), None, False)
+    torch.testing.assert_close(o_tail.double(), o_ref[:, -tail:], atol=2e-4, rtol=0)
+    torch.testing.assert_close(o_full[:, -tail:].double(), o_ref[:, -tail:], atol=2e-4, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

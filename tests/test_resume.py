@@ -19,7 +19,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -60,10 +59,10 @@ def test_kill9_then_resume_matches_uninterrupted(tiny, tmp_path):
     teacher, data, cache = tiny
     # reference: uninterrupted, in this process (same options as the CLI arguments, one thread)
     reference = tmp_path / "reference"
-    convert(tiny_options(teacher, data, reference, stage2={"steps": 8}))
+    convert(tiny_options(teacher, data, reference, stage2={"steps": 24}))
 
     out = tmp_path / "crashed"
-    args = cli_args(teacher, data, out) + ["--stage2-steps", "8", "--threads", "1", "--keep-work"]
+    args = cli_args(teacher, data, out) + ["--stage2-steps", "24", "--threads", "1", "--keep-work"]
     env = cli_env(cache)
     pointer = out.with_name(out.name + ".work") / "stage2" / "stage2.latest.json"
     proc = subprocess.Popen([sys.executable, "-m", "aaren_hf.conversion.cli", *args], env=env,
@@ -79,19 +78,13 @@ def test_kill9_then_resume_matches_uninterrupted(tiny, tmp_path):
     assert proc.returncode == -signal.SIGKILL
     assert not out.exists(), "killed before finishing: no output folder may exist"
     state = json.loads(pointer.read_text())
-    assert 0 < state["step"] < 8
+    assert 0 < state["step"] < 24
 
     resumed = subprocess.run([sys.executable, "-m", "aaren_hf.conversion.cli", *args, "--resume"], env=env,
                              capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed at step" in resumed.stderr and "loaded from the work folder" in resumed.stderr
     assert_same_weights(read_weights(reference), read_weights(out))
-
-    # --resume where nothing was interrupted is refused with a hint
-    again = subprocess.run([sys.executable, "-m", "aaren_hf.conversion.cli",
-                            *cli_args(teacher, data, tmp_path / "other"), "--resume"], env=env,
-                           capture_output=True, text=True, timeout=300)
-    assert again.returncode == 1 and "no interrupted conversion" in again.stderr
 
 
 def test_resume_refuses_changed_options(tiny, tmp_path):
