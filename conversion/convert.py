@@ -73,7 +73,7 @@ class ConvertOptions:
     eval: bool = True
     eval_quick: bool = False
     eval_windows: Optional[int] = None  # held-out windows for the evaluation (None: all of heldout_windows)
-    recall_trials: int = 5
+    recall_trials: int = 3
     recall_distances: tuple = (32, 128, 512, 2048)
     resume: bool = False
     overwrite: bool = False
@@ -392,7 +392,10 @@ def convert(opts: ConvertOptions, accelerator=None) -> Optional[Path]:
 
         init_file, init_json = work / "init.safetensors", work / "init.json"
         new_names = new_parameter_names(student)
-        if init_file.is_file() and init_json.is_file():
+        # decided by the main process: another process looking itself could see a file written meanwhile
+        have_init = _share_string("yes" if main and init_file.is_file() and init_json.is_file() else "",
+                                  accelerator) == "yes"
+        if have_init:
             ts.load_tensors_into(student, init_file)
             init_report = json.loads(init_json.read_text())
             say("init: loaded from the work folder (resumed)")

@@ -36,7 +36,7 @@ TEACHER_INIT_PARAMS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm
 
 @dataclass
 class Stage1Options:
-    steps: int = 100  # optimizer steps per layer
+    steps: int = 150  # optimizer steps per layer
     lr: float = 1e-3
     batch_size: int = 2  # windows per step
     warmup: int = 10
@@ -45,7 +45,7 @@ class Stage1Options:
     grad_clip: float = 1.0
     train_teacher_weights: bool = True  # q/k/v/o (teacher-initialised) trainable; False: only the new parameters
     projection_lr_scale: float = 0.1  # lr multiplier of the teacher-initialised projections
-    windows: Optional[int] = None  # training windows to capture (None: all given)
+    windows: Optional[int] = 32  # training windows to capture (None: all given)
     heldout_windows: int = 4  # held-out windows for the FVU report
     capture_dtype: str = "bfloat16"
     checkpoint_every: int = 50  # steps; 0: only at the end of a layer
