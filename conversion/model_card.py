@@ -139,7 +139,7 @@ def render_model_card(recipe_info: dict, results: Optional[dict], model_name: Op
     lines += ["", "## How to load", "", "```python",
               "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
               'path = "path/or/hub-name/of/this/model"',
-              "tokenizer = AutoTokenizer.from_pretrained(path)",
+              "tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=True)",
               "model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)",
               'inputs = tokenizer("The capital of France is", return_tensors="pt")',
               "out = model.generate(**inputs, max_new_tokens=20, do_sample=False)",
