@@ -54,7 +54,8 @@ def parse_args(argv=None):
     p.add_argument("--head-dim", type=int, default=None, help="default: 64 on CPU, 128 on CUDA")
     p.add_argument("--seqlens", type=int, nargs="+", default=None,
                    help="default: 1K..16K on CPU; 1K..64K on CUDA (plus 128K forward only)")
-    p.add_argument("--chunk-size", type=int, default=64)
+    p.add_argument("--chunk-size", type=int, default=None,
+                   help="default: 32 on CPU (the model's default, fastest for the PyTorch path), 64 on CUDA")
     p.add_argument("--decay", action="store_true", help="with a per-token log-decay g")
     p.add_argument("--seq-max-t", type=int, default=4096,
                    help="longest T for the sequential token loop (it is slow; longer T are skipped)")
@@ -264,6 +265,8 @@ def _fwd_bwd(fn, inputs, grad):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.chunk_size is None:
+        args.chunk_size = 64 if args.device == "cuda" else 32
     if args.threads:
         torch.set_num_threads(args.threads)
     results = dict(args=vars(args), torch=torch.__version__, cpu_forward=[], cuda=[], decode=[])
