@@ -314,12 +314,15 @@ class Decoder:
 
         self.cache = AarenCache(self.model.config)
         if state_file is not None and os.path.exists(state_file):
-            saved = torch.load(state_file)
-            for layer, tensors in zip(self.cache.layers, saved["layers"]):
-                for name, t in tensors.items():
-                    setattr(layer, name, t)
-            self.cache.seen_tokens, self.cache.real_tokens = saved["seen_tokens"], saved["real_tokens"]
-            self.next_token = saved["next_token"]
+            from safetensors.torch import load_file
+
+            saved = load_file(state_file)  # safetensors: nothing is unpickled
+            for key, t in saved.items():
+                if key.startswith("layer."):
+                    _, i, name = key.split(".", 2)
+                    setattr(self.cache.layers[int(i)], name, t)
+            self.cache.seen_tokens = int(saved["seen_tokens"])
+            self.cache.real_tokens, self.next_token = saved["real_tokens"], saved["next_token"]
             self.info["fill"] = "real prefill (state handed over from the memory run)"
             return
         ids = _random_ids(self.ctx, args.vocab, args.seed + self.ctx)
@@ -332,8 +335,13 @@ class Decoder:
         self.info["fill"] = f"real prefill, pieces of {args.prefill_chunk}"
 
     def save_state(self, path):
-        torch.save({"layers": [layer.tensors() for layer in self.cache.layers], "seen_tokens": self.cache.seen_tokens,
-                    "real_tokens": self.cache.real_tokens, "next_token": self.next_token}, path)
+        from safetensors.torch import save_file
+
+        tensors = {f"layer.{i}.{name}": t.contiguous()
+                   for i, layer in enumerate(self.cache.layers) for name, t in layer.tensors().items()}
+        tensors.update(seen_tokens=torch.tensor(self.cache.seen_tokens), real_tokens=self.cache.real_tokens,
+                       next_token=self.next_token)
+        save_file(tensors, path)
 
     def _fill_llama(self, args):
         from transformers import DynamicCache
@@ -670,7 +678,7 @@ def main(argv=None):
         try:
             for kind in args.models:
                 for ctx in args.contexts:
-                    state_out = os.path.join(tmp, f"{kind}_{ctx}.pt") if kind.startswith("aaren") else None
+                    state_out = os.path.join(tmp, f"{kind}_{ctx}.safetensors") if kind.startswith("aaren") else None
                     t0 = time.perf_counter()
                     if args.in_process:
                         memory[(kind, ctx)] = measure_memory(kind, ctx, args, state_out)
