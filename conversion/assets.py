@@ -32,6 +32,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .train_state import atomic_write
+
 __all__ = [
     "AssetError",
     "CORPORA",
@@ -353,12 +355,13 @@ def _prepare_corpus(name: str, force: bool = False) -> dict:
             raise AssetError(f"`dpkg-deb -x {deb}` failed:\n{result.stderr.strip()}\nRetry to download it again.")
         documents = _collect_documents(corpus, Path(unpack))
     final = _corpus_path(name)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{name}.", suffix=".jsonl.tmp", dir=text_dir())
-    with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        for document in documents:
-            handle.write(json.dumps(document, ensure_ascii=False) + "\n")
-    _make_readable(Path(tmp_name))
-    os.replace(tmp_name, final)
+
+    def write_documents(tmp_name):
+        with open(tmp_name, "w", encoding="utf-8") as handle:
+            for document in documents:
+                handle.write(json.dumps(document, ensure_ascii=False) + "\n")
+
+    atomic_write(final, write_documents)
     manifest = {
         "format": TEXT_FORMAT_VERSION,
         "corpus": name,
@@ -375,10 +378,8 @@ def _prepare_corpus(name: str, force: bool = False) -> dict:
 
 
 def _write_manifest(name: str, manifest: dict) -> None:
-    path = _manifest_path(name)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    os.replace(tmp, path)
+    text = json.dumps(manifest, indent=2) + "\n"
+    atomic_write(_manifest_path(name), lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
 
 def prepare_text(corpora: list[str] | tuple[str, ...] | None = None, force: bool = False) -> dict[str, dict]:

@@ -4,17 +4,15 @@ conversion recipe and the evaluation tables of :func:`aaren_hf.conversion.evalua
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Optional
 
 import yaml
 
 from .evaluate import format_table
+from .train_state import atomic_write
 
 __all__ = ["write_model_card", "render_model_card", "teacher_hub_info"]
 
@@ -205,15 +203,6 @@ def write_model_card(output_dir, recipe_info: dict, results: Optional[dict], mod
     output_dir.mkdir(parents=True, exist_ok=True)
     text = render_model_card(recipe_info, results, model_name=model_name or output_dir.name)
     final = output_dir / "README.md"
-    fd, tmp = tempfile.mkstemp(prefix=".README.", suffix=".tmp", dir=output_dir)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, final)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    atomic_write(final, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
     return final
 

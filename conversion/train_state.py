@@ -82,24 +82,28 @@ def _fsync_file(path: Path) -> None:
         os.fsync(handle.fileno())
 
 
-def atomic_write_json(path, data) -> Path:
-    """Write ``data`` as JSON to ``path`` via a temporary file in the same folder and ``os.replace``."""
+def atomic_write(path, write) -> Path:
+    """Create ``path`` through a temporary file in the same folder and ``os.replace``: a crash (kill -9 included)
+    leaves the old file or none, never half a file. ``write(tmp_name)`` fills the temporary file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(data, handle, indent=2, sort_keys=True)
-            handle.write("\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o644)
+        write(tmp)
+        _fsync_file(Path(tmp))
+        os.chmod(tmp, 0o644)  # mkstemp makes owner-only files; outputs are meant to be shared
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
     return path
+
+
+def atomic_write_json(path, data) -> Path:
+    text = json.dumps(data, indent=2, sort_keys=True) + "\n"
+    return atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
 
 def _standalone(tensors: dict) -> dict:
@@ -118,22 +122,9 @@ def _standalone(tensors: dict) -> dict:
 
 
 def atomic_save_tensors(path, tensors: dict, metadata: Optional[dict] = None) -> Path:
-    """safetensors file written via a temporary name and ``os.replace``. Shared storage is fine (tensors are
-    copied to contiguous CPU tensors first)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file(_standalone(tensors), tmp, metadata={k: str(v) for k, v in (metadata or {}).items()})
-        _fsync_file(Path(tmp))
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-    return path
+    """safetensors file written atomically. Shared storage is fine (tensors are copied to contiguous CPU tensors)."""
+    meta = {k: str(v) for k, v in (metadata or {}).items()}
+    return atomic_write(path, lambda tmp: save_file(_standalone(tensors), tmp, metadata=meta))
 
 
 # ----------------------------------------------------------------------------------------------------------------
