@@ -103,12 +103,12 @@ def chunk_aaren_torch(
     v_ = v.to(acc).transpose(1, 2)  # [B, H, T, D]
     g_ = None if g is None else g.to(acc).transpose(1, 2)
     o_init, lse_init = initial_state if initial_state is not None else empty_state(B, H, D, v.device)
-    o, lse = _scan(s_, v_, g_, o_init.to(acc), lse_init.to(acc), chunk_size)
+    o, lse = scan_states(s_, v_, g_, o_init.to(acc), lse_init.to(acc), chunk_size)
     final = (o[:, :, -1], lse[:, :, -1]) if T > 0 else (o_init.to(acc), lse_init.to(acc))
     return o.transpose(1, 2).to(v.dtype), (final if output_final_state else None)
 
 
-def _scan(s, v, g, o_init, lse_init, C):
+def scan_states(s, v, g, o_init, lse_init, C):
     """Inclusive scan in [B, H, T] layout: returns (o, lse) after every token, both [B, H, T(, D)]."""
     B, H, T, D = v.shape
     N = max(1, -(-T // C))
@@ -141,7 +141,8 @@ def _scan(s, v, g, o_init, lse_init, C):
         o_in, lse_in = o_init.unsqueeze(2), lse_init.unsqueeze(2)
     else:
         # (chunks of at least 16 summaries, so that the recursion shrinks even for tiny chunk sizes)
-        o_sum, lse_sum = _scan(lse_loc[..., -1], o_loc[..., -1, :], b[..., -1], o_init, lse_init, max(C, 16))
+        summaries = (lse_loc[..., -1], o_loc[..., -1, :], b[..., -1])
+        o_sum, lse_sum = scan_states(*summaries, o_init, lse_init, max(C, 16))
         o_in = torch.cat([o_init.unsqueeze(2), o_sum[:, :, :-1]], 2)
         lse_in = torch.cat([lse_init.unsqueeze(2), lse_sum[:, :, :-1]], 2)
     o, lse = merge_states(o_loc, lse_loc, o_in.unsqueeze(3).expand_as(o_loc), lse_in.unsqueeze(3) + b)

@@ -151,6 +151,23 @@ def test_chunk_vs_naive_fp64(case):
 
 
 @needs_triton
+@pytest.mark.parametrize("segments", [2, 3, 7])
+@pytest.mark.parametrize("case", [CASES[2], CASES[4], CASES[5], CASES[7]], ids=lambda c: "T{}-{}-decay{}-h0{}".format(
+    c[1], c[5], c[6], c[7]))
+def test_split_sequences_vs_naive(case, segments):
+    """The GPU path for small B * H: sequences cut into pieces that run in parallel, joined by a scan of the
+    pieces' summaries. Same function and gradients (initial state absent or given, decay, masked scores)."""
+    from aaren_hf.kernels.aaren.chunk import split_chunk_aaren
+
+    B, T, H, D, scale, mode, decay, h0, mask, C = case
+    C = 16  # several chunks per piece
+    s, v, g, state, grads = make_inputs(B, T, H, D, scale, mode, decay, h0, mask)
+    ref = run(naive_aaren, s, v, g, state, grads)
+    split = lambda s, v, g, st, out, cu, C: split_chunk_aaren(s, v, g, st, out, C, segments)  # noqa: E731
+    compare(run(split, s, v, g, state, grads, chunk_size=C), ref, 1e-4, v, f"split {segments}")
+
+
+@needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_chunk_low_precision_inputs(dtype):
     """fp32 and 16-bit inputs (upcast on load) against float64 on the same rounded inputs; fp32 initial state."""

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One prepared pass on a CUDA machine: the GPU-only tests (compiled Triton kernels against float64 and the PyTorch
+# path; the model on CUDA against the CPU and its own decode), then the kernel benchmark at B=1 and at a batch
+# that fills the GPU. Runs from a checkout without installing it, with whatever torch/triton the machine has.
+#
+#     bash benchmarks/gpu_check.sh [LOG_DIR]        # logs + bench JSON in LOG_DIR (default /tmp/aaren_gpu_check)
+#
+# A newer transformers than the machine's can be carried as a wheel in .whl/ (it is installed to /tmp/site).
+set -u
+LOG=${1:-/tmp/aaren_gpu_check}
+mkdir -p "$LOG"
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used,memory.total --format=csv
+
+if ls .whl/transformers-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/transformers-*.whl
+  PYTHONPATH=/tmp/site python3 -c "import transformers" && export PYTHONPATH=/tmp/site \
+    || echo "carried transformers does not import here: using the machine's own"
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# aaren_hf.kernels is a package_dir mapping of ./kernels; without an install, a link in this copy stands in
+python3 -c "import aaren_hf.kernels" 2>/dev/null || ln -sfn ../kernels aaren_hf/kernels
+python3 -c "import torch, triton, transformers, aaren_hf.kernels as k
+print('torch', torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__,
+      '|', torch.cuda.get_device_name(), '| backend for CUDA tensors:', k.select_backend(torch.zeros(1, device='cuda')))"
+
+status=0
+timeout 360 python3 -m pytest -q -p no:cacheprovider -m requires_gpu -rA tests/test_kernels.py tests/test_model.py \
+  2>&1 | tee "$LOG/test_gpu.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|Error|assert" | tail -40
+[ "${PIPESTATUS[0]}" = 0 ] || status=1
+
+timeout 300 python3 benchmarks/bench_kernels.py --json "$LOG/bench_b1.json" 2>&1 | tee "$LOG/bench_b1.log"
+timeout 200 python3 benchmarks/bench_kernels.py --batch 8 --seqlens 4096 16384 --decode-batches 64 \
+  --json "$LOG/bench_b8.json" 2>&1 | tee "$LOG/bench_b8.log" | tail -12
+timeout 100 python3 benchmarks/bench_kernels.py --batch 8 --seqlens 16384 --decay --decode-batches 64 \
+  --json "$LOG/bench_b8_decay.json" 2>&1 | tee "$LOG/bench_b8_decay.log" | tail -10
+echo "gpu_check: tests $([ $status = 0 ] && echo passed || echo FAILED)"
+exit $status
