@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from aaren_hf.conversion.evaluate import format_bytes
+
 # name -> (what it shows, mixer flags). Order = priority: the rows the conclusion rests on run first.
 ROWS = {
     "paper": ("paper's form: 1 query/head, no decay", dict(slots=1, decay="none", window=0, sinks=0)),
@@ -73,13 +75,6 @@ def run_row(name, args, out_dir):
         lock.unlink(missing_ok=True)
 
 
-def fmt_bytes(n):
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-
-
 def row_summary(name, folder):
     conv = json.loads((folder / "conversion.json").read_text())
     ev = json.loads((folder / "evaluation.json").read_text())
@@ -118,7 +113,7 @@ def table(rows):
         rec = lambda xs: " ".join(f"{d}:{a:.2f}" for d, a in xs)
         lines.append(
             f"| {r['name']} | {m['num_query_slots']} | {m['decay']} | {m['window_size']} | {m['num_sink_tokens']} "
-            f"| {fmt_bytes(r['state'])} | {r['ppl_s']:.2f} ({r['ppl_s'] / r['ppl_t']:.2f}x) "
+            f"| {format_bytes(r['state'])} | {r['ppl_s']:.2f} ({r['ppl_s'] / r['ppl_t']:.2f}x) "
             f"| {r['long_s'] / r['long_t']:.2f}x | {r['base_name']}: {r['ppl_b']:.2f} ({r['ppl_b'] / r['ppl_t']:.2f}x) "
             f"| {r['long_b'] / r['long_t']:.2f}x | {r['fvu']:.3f} | {rec(r['recall_s'])} | {rec(r['recall_b'])} "
             f"| {r['s1_tokens']:,} | {r['seconds'] / 60:.1f} min |")

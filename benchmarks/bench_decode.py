@@ -54,6 +54,7 @@ import torch
 # from the root), transformers' probe for the hub package `kernels` finds this repository's kernels/ folder, and
 # importing transformers' model code first then fails with a circular import.
 import aaren_hf  # noqa: F401,E402
+from aaren_hf.conversion.evaluate import format_bytes  # noqa: E402
 
 MODELS = ("aaren", "aaren_window", "llama", "mamba")
 LABELS = {"aaren": "Aaren", "aaren_window": "Aaren+win", "llama": "Llama KV", "mamba": "Mamba"}
@@ -525,15 +526,6 @@ def _argv_without_private(argv):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def human_bytes(n):
-    if n is None:
-        return "-"
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
-
-
 def human_ctx(n):
     return f"{n // 1024}K" if n % 1024 == 0 else str(n)
 
@@ -614,7 +606,7 @@ def print_report(report, args):
         print(f"  {LABELS[kind]:<10} {d['class']}: {extras}")
     base = {k: results[k][args.contexts[0]].get("rss_model_bytes") for k in args.models}
     print("RSS once imports + model are loaded (before any cache): "
-          + ", ".join(f"{LABELS[k]} {human_bytes(v)}" for k, v in base.items()))
+          + ", ".join(f"{LABELS[k]} {format_bytes(v)}" for k, v in base.items()))
     print(f"code    : git {m.get('git')}; aaren_hf source sha256 {m.get('aaren_hf_code')}")
     if report.get("code_changed_during_run"):
         print("WARNING : aaren_hf's source changed during this run (the subprocesses saw different versions): "
@@ -636,8 +628,8 @@ def print_report(report, args):
             iqr = f"{r['latency_ms_p25']:.1f}-{r['latency_ms_p75']:.1f}"
             fill = r.get("fill", "")
             print(f"{LABELS[kind]:<10} {human_ctx(c):>7} {r['latency_ms']:>9.2f} {iqr:>13} {lat_x:>8} "
-                  f"{human_bytes(r['cache_bytes']):>12} {byt_x:>10} {human_bytes(r['peak_rss_bytes']):>10} "
-                  f"{human_bytes(r.get('peak_rss_decode_bytes')):>12}  {fill}")
+                  f"{format_bytes(r['cache_bytes']):>12} {byt_x:>10} {format_bytes(r['peak_rss_bytes']):>10} "
+                  f"{format_bytes(r.get('peak_rss_decode_bytes')):>12}  {fill}")
         print()
     lo, hi = args.contexts[0], args.contexts[-1]
     print(f"{human_ctx(hi)}/{human_ctx(lo)} ratios:")
@@ -688,8 +680,8 @@ def main(argv=None):
                     if state_out is not None and os.path.exists(state_out):
                         state_files[(kind, ctx)] = state_out
                     r = memory[(kind, ctx)]
-                    print(f"[memory] {LABELS[kind]:<10} {human_ctx(ctx):>5}: cache {human_bytes(r['cache_bytes'])}, "
-                          f"peak RSS {human_bytes(r['peak_rss_bytes'])}, fill {r['fill_s']:.1f}s "
+                    print(f"[memory] {LABELS[kind]:<10} {human_ctx(ctx):>5}: cache {format_bytes(r['cache_bytes'])}, "
+                          f"peak RSS {format_bytes(r['peak_rss_bytes'])}, fill {r['fill_s']:.1f}s "
                           f"({time.perf_counter() - t0:.0f}s)", file=sys.stderr, flush=True)
             t0 = time.perf_counter()
             if args.in_process:

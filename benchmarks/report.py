@@ -36,6 +36,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from aaren_hf.conversion.evaluate import format_bytes
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH_DECODE = ROOT / "benchmarks" / "bench_decode.py"
 BENCH_KERNELS = ROOT / "benchmarks" / "bench_kernels.py"
@@ -142,15 +144,6 @@ def fmt_count(n):
 
 def fmt_load(values):
     return "-" if not values else " / ".join(f"{v:.2f}" for v in values)
-
-
-def fmt_bytes(n):
-    if n is None:
-        return "-"
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 def fmt_ctx(n):
@@ -730,13 +723,13 @@ def section_decode(part, out_dir, notes):
         header += [f"Llama KV / {DECODE_LABELS.get(k, k)}" for k in models if k != "llama"]
     table = []
     for c in contexts:
-        row = [fmt_ctx(c)] + [fmt_bytes(dict(rows[k]).get(c, {}).get("cache_bytes")) for k in models]
+        row = [fmt_ctx(c)] + [format_bytes(dict(rows[k]).get(c, {}).get("cache_bytes")) for k in models]
         if "llama" in rows:
             kv = dict(rows["llama"])[c]["cache_bytes"]
             row += [fmt_num(kv / dict(rows[k])[c]["cache_bytes"], "x") for k in models if k != "llama"]
         table.append(row)
     lines += md_table(header, table) + [""]
-    peak = [[DECODE_LABELS.get(k, k)] + [fmt_bytes(dict(rows[k])[c].get("peak_rss_bytes")) for c in contexts]
+    peak = [[DECODE_LABELS.get(k, k)] + [format_bytes(dict(rows[k])[c].get("peak_rss_bytes")) for c in contexts]
             for k in models]
     lines += ["Peak resident memory of the whole benchmark process (imports, model, fill, decode):", ""]
     lines += md_table(["model"] + [fmt_ctx(c) for c in contexts], peak) + [""]
@@ -796,15 +789,15 @@ def section_eval(part, out_dir, notes):
                            "state / KV bytes"],
                           [[m["name"], fmt_num(m["ppl"]["ppl"]), fmt_num(m.get("ratio_to_teacher"), "x"),
                             fmt_num(m["ppl"].get("ppl_from_position")),
-                            f"{fmt_bytes(m.get('memory_bytes'))} ({m.get('memory_note', '')})"]
+                            f"{format_bytes(m.get('memory_bytes'))} ({m.get('memory_note', '')})"]
                            for m in ev["perplexity"]]) + [""]
         eq = ev.get("equal_memory")
         if eq:
             lines.append(
-                f"Equal-memory baseline: the student's state is {fmt_bytes(eq['student_state_bytes'])}; the teacher "
-                f"holds {fmt_bytes(eq['teacher_kv_bytes_per_token'])} of keys/values per token, so the baseline with "
+                f"Equal-memory baseline: the student's state is {format_bytes(eq['student_state_bytes'])}; the teacher "
+                f"holds {format_bytes(eq['teacher_kv_bytes_per_token'])} of keys/values per token, so the baseline with "
                 f"{eq['sinks']} sink(s) gets a window of {eq['window']} tokens "
-                f"({fmt_bytes(eq['baseline_kv_bytes'])})" + (" (clamped)" if eq.get("clamped") else "") +
+                f"({format_bytes(eq['baseline_kv_bytes'])})" + (" (clamped)" if eq.get("clamped") else "") +
                 ". The baseline is the teacher, untrained, with a StreamingLLM attention mask.")
             lines.append("")
     if ev.get("recall"):
@@ -836,8 +829,8 @@ def section_eval(part, out_dir, notes):
         header += ["teacher / student"]
         table = []
         for r in mem["rows"]:
-            row = [fmt_ctx(r["context"]), fmt_bytes(r["teacher_kv_bytes"]), fmt_bytes(r["student_state_bytes"])]
-            row += [fmt_bytes(r.get("baseline_kv_bytes"))] if base else []
+            row = [fmt_ctx(r["context"]), format_bytes(r["teacher_kv_bytes"]), format_bytes(r["student_state_bytes"])]
+            row += [format_bytes(r.get("baseline_kv_bytes"))] if base else []
             table.append(row + [fmt_num(r.get("teacher_over_student"), "x")])
         lines += md_table(header, table) + [""]
         a, b = mem.get("student_state_bytes_measured_at", [None, None])

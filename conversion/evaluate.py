@@ -94,7 +94,8 @@ def _bytes_of(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _fmt_bytes(n: Optional[float]) -> str:
+def format_bytes(n: Optional[float]) -> str:
+    """1536 -> '1.50 KiB' (binary units, as memory is counted everywhere in this project); None -> '-'."""
     if n is None:
         return "-"
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
@@ -694,15 +695,15 @@ def format_table(results: dict) -> str:
             p = m["ppl"]
             out.append(
                 f"| {_md_cell(m['name'])} | {_fmt(p['ppl'])} | {_fmt(m['ratio_to_teacher'])}x | "
-                f"{_fmt(p['ppl_from_position'])} | {_fmt_bytes(m['memory_bytes'])} ({m['memory_note']}) |"
+                f"{_fmt(p['ppl_from_position'])} | {format_bytes(m['memory_bytes'])} ({m['memory_note']}) |"
             )
         eq = results.get("equal_memory")
         if eq:
             out.append("")
             out.append(
-                f"Equal memory: the student's state is {_fmt_bytes(eq['student_state_bytes'])}; the teacher needs "
-                f"{_fmt_bytes(eq['teacher_kv_bytes_per_token'])} per token, so the baseline with {eq['sinks']} sink(s) "
-                f"gets a window of {eq['window']} tokens ({_fmt_bytes(eq['baseline_kv_bytes'])})"
+                f"Equal memory: the student's state is {format_bytes(eq['student_state_bytes'])}; the teacher needs "
+                f"{format_bytes(eq['teacher_kv_bytes_per_token'])} per token, so the baseline with {eq['sinks']} sink(s) "
+                f"gets a window of {eq['window']} tokens ({format_bytes(eq['baseline_kv_bytes'])})"
                 + (" (clamped to 1: the student's state is smaller than that)" if eq.get("clamped") else "") + "."
                 " The baseline is the teacher, untrained, with a StreamingLLM attention mask at natural positions."
             )
@@ -745,9 +746,9 @@ def format_table(results: dict) -> str:
         out.append(head + "teacher / student |")
         out.append("|---|---|---|" + ("---|" if has_base else "") + "---|")
         for r in mem["rows"]:
-            line = f"| {r['context']} | {_fmt_bytes(r['teacher_kv_bytes'])} | {_fmt_bytes(r['student_state_bytes'])} | "
+            line = f"| {r['context']} | {format_bytes(r['teacher_kv_bytes'])} | {format_bytes(r['student_state_bytes'])} | "
             if has_base:
-                line += f"{_fmt_bytes(r.get('baseline_kv_bytes'))} | "
+                line += f"{format_bytes(r.get('baseline_kv_bytes'))} | "
             out.append(line + f"{_fmt(r['teacher_over_student'], 1)}x |")
         out.append("")
         a, b = mem["student_state_bytes_measured_at"]
