@@ -115,6 +115,21 @@ def _linear_out(prefix: str, linear: nn.Linear, bias: bool) -> dict[str, torch.T
     return out
 
 
+def _qkv_out(prefix: str, pairs, aaren: AarenConfig) -> dict[str, torch.Tensor]:
+    """The student's q/k/v projections from the teacher's (weight [out, in], bias) pairs in q, k, v order; q only
+    where query slots use it."""
+    out = {}
+    for name, (weight, bias) in zip(("q_proj", "k_proj", "v_proj"), pairs):
+        if name == "q_proj" and not aaren.uses_query_projection:
+            continue
+        out[f"{prefix}.{name}.weight"] = _clone(weight)
+        if aaren.attention_bias:
+            if bias is None:
+                raise ValueError(f"the Aaren config expects a bias on {prefix}.{name}, but the teacher has none")
+            out[f"{prefix}.{name}.bias"] = _clone(bias)
+    return out
+
+
 def _norm_out(prefix: str, norm: nn.Module, aaren: AarenConfig) -> dict[str, torch.Tensor]:
     out = {f"{prefix}.weight": _clone(norm.weight)}
     if aaren.norm_type == "layernorm":
@@ -197,10 +212,7 @@ class LlamaAdapter:
             attn = layer.attention
             out.update(_norm_out(f"{p}.input_layernorm", layer.input_norm, aaren))
             out.update(_norm_out(f"{p}.post_attention_layernorm", layer.post_attention_norm, aaren))
-            if aaren.uses_query_projection:
-                out.update(_linear_out(f"{p}.mixer.q_proj", attn.q_proj, aaren.attention_bias))
-            out.update(_linear_out(f"{p}.mixer.k_proj", attn.k_proj, aaren.attention_bias))
-            out.update(_linear_out(f"{p}.mixer.v_proj", attn.v_proj, aaren.attention_bias))
+            out.update(_qkv_out(f"{p}.mixer", cls.qkv_weights(attn), aaren))
             out.update(_linear_out(f"{p}.mixer.o_proj", attn.o_proj, aaren.attention_out_bias))
             if aaren.qk_norm:
                 out[f"{p}.mixer.q_norm.weight"] = _clone(attn.q_norm.weight)
@@ -262,17 +274,11 @@ class GPT2Adapter:
         ]
 
     @staticmethod
-    def _split_c_attn(attention: nn.Module):
+    def qkv_weights(attention: nn.Module):
         """c_attn (Conv1D, weight [hidden, 3*hidden]) -> three Linear-layout ([out, in]) weights and biases."""
         hidden = attention.c_attn.weight.shape[0]
         weights = attention.c_attn.weight.t().split(hidden, dim=0)
-        biases = attention.c_attn.bias.split(hidden, dim=0)
-        return weights, biases
-
-    @classmethod
-    def qkv_weights(cls, attention: nn.Module):
-        weights, biases = cls._split_c_attn(attention)
-        return list(zip(weights, biases))
+        return list(zip(weights, attention.c_attn.bias.split(hidden, dim=0)))
 
     @classmethod
     def qkv(cls, attention: nn.Module, x: torch.Tensor):
@@ -292,14 +298,7 @@ class GPT2Adapter:
             attn = layer.attention
             out.update(_norm_out(f"{p}.input_layernorm", layer.input_norm, aaren))
             out.update(_norm_out(f"{p}.post_attention_layernorm", layer.post_attention_norm, aaren))
-            (wq, wk, wv), (bq, bk, bv) = cls._split_c_attn(attn)
-            names = (["q_proj"] if aaren.uses_query_projection else []) + ["k_proj", "v_proj"]
-            parts = {"q_proj": (wq, bq), "k_proj": (wk, bk), "v_proj": (wv, bv)}
-            for name in names:
-                weight, bias = parts[name]
-                out[f"{p}.mixer.{name}.weight"] = _clone(weight)
-                if aaren.attention_bias:
-                    out[f"{p}.mixer.{name}.bias"] = _clone(bias)
+            out.update(_qkv_out(f"{p}.mixer", cls.qkv_weights(attn), aaren))
             out[f"{p}.mixer.o_proj.weight"] = _clone(attn.c_proj.weight.t())
             if aaren.attention_out_bias:
                 out[f"{p}.mixer.o_proj.bias"] = _clone(attn.c_proj.bias)
@@ -361,7 +360,7 @@ class GPTNeoXAdapter:
         ]
 
     @staticmethod
-    def _split_qkv(attention: nn.Module):
+    def qkv_weights(attention: nn.Module):
         """query_key_value rows are ordered [head, (q|k|v), head_dim]: split to three [H*D, hidden] weights."""
         fused = attention.query_key_value
         heads, head_dim = attention.config.num_attention_heads, attention.head_size
@@ -371,11 +370,6 @@ class GPTNeoXAdapter:
         if fused.bias is not None:
             bias = fused.bias.view(heads, 3, head_dim)
             biases = [bias[:, i].reshape(heads * head_dim) for i in range(3)]
-        return weights, biases
-
-    @classmethod
-    def qkv_weights(cls, attention: nn.Module):
-        weights, biases = cls._split_qkv(attention)
         return list(zip(weights, biases))
 
     @staticmethod
@@ -394,16 +388,7 @@ class GPTNeoXAdapter:
             attn = layer.attention
             out.update(_norm_out(f"{p}.input_layernorm", layer.input_norm, aaren))
             out.update(_norm_out(f"{p}.post_attention_layernorm", layer.post_attention_norm, aaren))
-            (wq, wk, wv), (bq, bk, bv) = cls._split_qkv(attn)
-            names = (["q_proj"] if aaren.uses_query_projection else []) + ["k_proj", "v_proj"]
-            parts = {"q_proj": (wq, bq), "k_proj": (wk, bk), "v_proj": (wv, bv)}
-            for name in names:
-                weight, bias = parts[name]
-                out[f"{p}.mixer.{name}.weight"] = _clone(weight)
-                if aaren.attention_bias:
-                    if bias is None:
-                        raise ValueError(f"the Aaren config expects q/k/v biases but {p} of the teacher has none")
-                    out[f"{p}.mixer.{name}.bias"] = _clone(bias)
+            out.update(_qkv_out(f"{p}.mixer", cls.qkv_weights(attn), aaren))
             out.update(_linear_out(f"{p}.mixer.o_proj", attn.dense, aaren.attention_out_bias))
             out.update(_linear_out(f"{p}.mlp.fc_in", layer.mlp.dense_h_to_4h, aaren.mlp_bias))
             out.update(_linear_out(f"{p}.mlp.fc_out", layer.mlp.dense_4h_to_h, aaren.mlp_bias))
