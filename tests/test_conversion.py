@@ -18,6 +18,7 @@ import torch
 # `kernels/` folder is taken by transformers for the optional hub `kernels` package, and importing it first
 # (through aaren_hf) avoids a circular import inside transformers.
 import aaren_hf  # noqa: F401
+from helpers import one_thread  # noqa: F401  (autouse fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = [f"w{i}" for i in range(60)]
@@ -106,15 +107,6 @@ def read_weights(folder: Path) -> dict:
     from safetensors.torch import load_file
 
     return load_file(Path(folder) / "model.safetensors")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors: one thread is faster, and much faster on a busy shared machine (no OpenMP barriers)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ import torch
 
 import aaren_hf  # noqa: F401  (registers the Auto classes)
 from aaren_hf import AarenCache, AarenConfig, AarenForCausalLM
+from helpers import bpe_tokenizer
 
 TEXT = """The quick brown fox jumps over the lazy dog.
 def fibonacci(n):
@@ -20,16 +21,7 @@ The capital of France is Paris. The capital of Italy is Rome. The capital of Spa
 
 
 def make_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(TEXT.splitlines() * 4, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    return bpe_tokenizer(TEXT)
 
 
 def tiny_config(vocab_size, **overrides):

@@ -21,6 +21,7 @@ import torch
 
 import aaren_hf  # noqa: F401  (registers the Auto classes)
 from aaren_hf import AarenConfig, AarenForCausalLM
+from helpers import bpe_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -57,19 +58,8 @@ def load_example(name):
 
 
 def make_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(TEXT.splitlines() * 4, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-    fast.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                          "{% if add_generation_prompt %}<s>assistant:{% endif %}")
-    return fast
+    return bpe_tokenizer(TEXT, chat_template=("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                                              "{% if add_generation_prompt %}<s>assistant:{% endif %}"))
 
 
 def make_tiny_folder(path, **overrides):

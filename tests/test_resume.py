@@ -23,16 +23,9 @@ import time
 import pytest
 import torch
 
+from helpers import one_thread  # noqa: F401  (autouse fixture)
 from test_conversion import (cli_args, cli_env, make_corpus, make_tiny_teacher, read_weights,  # noqa: F401
                              tiny_options)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
