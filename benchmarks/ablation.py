@@ -7,7 +7,8 @@ with a lock file, so two copies of this script started side by side share the wo
     .venv/bin/python -P benchmarks/ablation.py                     # all rows, stage 1 only, 100 steps/layer
     .venv/bin/python -P benchmarks/ablation.py --table-only        # just rebuild reports/ablation/ABLATION.md
 
-A finished row (evaluation.json present) is never rerun; delete its folder to redo it. Model weights are deleted
+A finished row (evaluation.json present) is never rerun; delete its folder to redo it. A runner killed mid-row
+leaves NAME.lock behind: delete it to let the row run again. Model weights are deleted
 after evaluation unless --keep-models (9 rows x 540 MB).
 """
 

@@ -530,26 +530,34 @@ def human_ctx(n):
     return f"{n // 1024}K" if n % 1024 == 0 else str(n)
 
 
-def machine_info(args):
-    cpu = platform.processor() or ""
+def host_info():
+    """CPU model, cores, library versions and load: what a reader needs to compare timings across machines (also used
+    by report.py)."""
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
             m = re.search(r"^model name\s*:\s*(.+)$", f.read(), re.M)
             cpu = m.group(1).strip() if m else cpu
     except OSError:
         pass
-    import transformers
-
     try:
         usable = len(os.sched_getaffinity(0))
     except AttributeError:
         usable = os.cpu_count()
     return {
-        "cpu": cpu, "cpu_count": os.cpu_count(), "usable_cores": usable, "torch_threads": args.threads,
-        "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-        "platform": platform.platform(), "loadavg_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-        "device": "cpu", "dtype": "float32", "batch_size": 1, "git": git_head(), "aaren_hf_code": code_fingerprint(),
+        "cpu": cpu, "cpu_count": os.cpu_count(), "usable_cores": usable, "torch": torch.__version__,
+        "transformers": transformers.__version__, "python": platform.python_version(), "platform": platform.platform(),
+        "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
+
+
+def machine_info(args):
+    info = host_info()
+    info["loadavg_start"] = info.pop("loadavg")
+    return {**info, "torch_threads": args.threads, "device": "cpu", "dtype": "float32", "batch_size": 1,
+            "git": git_head(), "aaren_hf_code": code_fingerprint()}
 
 
 def compute_checks(results, args):

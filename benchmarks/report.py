@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import math
 import os
 import platform
-import re
 import shlex
 import shutil
 import subprocess
@@ -189,26 +189,12 @@ def git_commit():
 
 def machine_info():
     import torch
-    import transformers
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            m = re.search(r"^model name\s*:\s*(.+)$", f.read(), re.M)
-            cpu = m.group(1).strip() if m else cpu
-    except OSError:
-        pass
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:
-        usable = os.cpu_count()
-    gpus = []
-    if torch.cuda.is_available():
-        gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    return {"cpu": cpu, "cores": os.cpu_count(), "usable_cores": usable, "torch": torch.__version__,
-            "transformers": transformers.__version__, "python": platform.python_version(),
-            "platform": platform.platform(), "gpus": gpus, "hostname": platform.node(),
-            "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
+    spec = importlib.util.spec_from_file_location("bench_decode", BENCH_DECODE)
+    bench_decode = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_decode)
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    return {**bench_decode.host_info(), "gpus": gpus, "hostname": platform.node()}
 
 
 def command_line(argv):
@@ -662,24 +648,23 @@ def plot_scan(kernels, path):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _source_lines(part):
-    out = []
+def _section_start(title, part):
+    """The section's title, then where its numbers come from (file, command), or the note saying why there are none."""
+    lines = [title, ""]
+    if "data" not in part:
+        return lines + [part.get("note") or "no data", ""]
     if part.get("source"):
-        out.append(f"Source: {part['source']}.")
+        lines.append(f"Source: {part['source']}.")
     if part.get("command"):
-        out.append("")
-        out.append("```")
-        out.append(part["command"])
-        out.append("```")
-    return out
+        lines += ["", "```", part["command"], "```"]
+    return lines + [""]
 
 
 def section_decode(part, out_dir, notes):
-    lines = ["## 1-2. Decode: memory and per-token latency vs context", ""]
+    lines = _section_start("## 1-2. Decode: memory and per-token latency vs context", part)
     if "data" not in part:
-        return lines + [part.get("note") or "no data", ""], {}
+        return lines, {}
     d = part["data"]
-    lines += _source_lines(part) + [""]
     m, cfg = d.get("machine", {}), d.get("config", {})
     lines.append(
         f"Measured on: {m.get('cpu')}, {m.get('cpu_count')} cores ({m.get('usable_cores')} usable), "
@@ -763,11 +748,10 @@ def section_decode(part, out_dir, notes):
 
 
 def section_eval(part, out_dir, notes):
-    lines = ["## 3-4. Conversion evaluation: perplexity and recall", ""]
+    lines = _section_start("## 3-4. Conversion evaluation: perplexity and recall", part)
     if "data" not in part:
-        return lines + [part.get("note") or "no data", ""], {}
+        return lines, {}
     ev = part["data"]
-    lines += _source_lines(part) + [""]
     s = ev.get("setup", {})
     lines.append(
         f"Teacher: {s.get('teacher')}; student: {s.get('student')} (window {s.get('student_window')}, "
@@ -847,11 +831,10 @@ def section_eval(part, out_dir, notes):
 
 
 def section_kernels(part, out_dir, notes):
-    lines = ["## 5. Scan time vs sequence length", ""]
+    lines = _section_start("## 5. Scan time vs sequence length", part)
     if "data" not in part:
-        return lines + [part.get("note") or "no data", ""], {}
+        return lines, {}
     kernels = part["data"]
-    lines += _source_lines(part) + [""]
     if part.get("note"):
         lines += [part["note"], ""]
     cpu_rows, cuda_rows, dec_rows, cpu_json, cuda_json = kernel_rows(kernels)
@@ -913,7 +896,7 @@ def build_report(parts, out_dir, command, machine, commit, date):
         "",
         f"- Command: `{command}`",
         f"- Date: {date}",
-        f"- Machine: {machine['cpu']}, {machine['cores']} cores ({machine['usable_cores']} usable), GPU: {gpus}; "
+        f"- Machine: {machine['cpu']}, {machine['cpu_count']} cores ({machine['usable_cores']} usable), GPU: {gpus}; "
         f"torch {machine['torch']}, transformers {machine['transformers']}, Python {machine['python']}; "
         f"load average (1/5/15 min) {fmt_load(machine['loadavg'])} when the report was written",
         f"- Git commit: {commit}",
