@@ -8,6 +8,7 @@ WINDOW_GATES = ("head", "input")
 NORM_TYPES = ("rmsnorm", "layernorm")
 MLP_TYPES = ("gated", "plain")
 POSITION_EMBEDDINGS = ("none", "learned")
+MEMORY_RULES = ("learned", "aaren")
 # Bumped when a checkpoint's meaning changes; code refuses checkpoints from a newer format instead of misreading them.
 AAREN_FORMAT_VERSION = 1
 
@@ -29,6 +30,16 @@ class AarenConfig(PreTrainedConfig):
         num_sink_tokens (`int`, 0): S first tokens that stay visible to the window branch (StreamingLLM sinks).
         window_gate (`str`, "head"): "head" (one learned gate per head) or "input" (gate computed from the input).
         window_gate_init (`float`, 0.0): initial gate logit; sigmoid(logit) is the window branch's share.
+        memory_size (`int`, 0): M > 0 adds an exact-memory tier to the window branch: per KV head, up to M
+            key/value pairs kept after they leave the window, read by the real query in the same softmax as the
+            sinks and the window. What is kept is decided when a token leaves the window, by a retention score fixed
+            when the token was written: of all tokens that have left the window, the M with the highest scores
+            (ties: the newer) stay. A static score makes the parallel (training, prefill) path exactly equal to
+            token-by-token decoding. 0 is the model without the tier, bit for bit. Needs window_size > 0.
+        memory_rule (`str`, "learned"): the retention score. "learned": a linear projection of the input per KV
+            head (zero-initialised: then every token ties and the memory holds the M newest tokens beyond the
+            window; conversion trains it to predict which tokens the teacher's later queries attend to).
+            "aaren": the highest Aaren score <k, c_hj> over the head group's learned queries, no extra parameters.
         chunk_size (`int`, 32): chunk length of the parallel scan (32 measured fastest for the PyTorch path on CPU).
 
     Block:
@@ -77,6 +88,8 @@ class AarenConfig(PreTrainedConfig):
         num_sink_tokens=0,
         window_gate="head",
         window_gate_init=0.0,
+        memory_size=0,
+        memory_rule="learned",
         chunk_size=32,
         initializer_range=0.02,
         use_cache=True,
@@ -122,6 +135,8 @@ class AarenConfig(PreTrainedConfig):
         self.num_sink_tokens = num_sink_tokens
         self.window_gate = window_gate
         self.window_gate_init = window_gate_init
+        self.memory_size = memory_size
+        self.memory_rule = memory_rule
         self.chunk_size = chunk_size
         self.initializer_range = initializer_range
         self.use_cache = use_cache
@@ -152,7 +167,7 @@ class AarenConfig(PreTrainedConfig):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "num_query_slots", "chunk_size", "max_position_embeddings"):
             positive(name)
-        for name in ("window_size", "num_sink_tokens"):
+        for name in ("window_size", "num_sink_tokens", "memory_size"):
             positive(name, allow_zero=True)
         if self.head_dim is None:
             raise ValueError(
@@ -171,12 +186,18 @@ class AarenConfig(PreTrainedConfig):
             "norm_type": NORM_TYPES,
             "mlp_type": MLP_TYPES,
             "position_embedding_type": POSITION_EMBEDDINGS,
+            "memory_rule": MEMORY_RULES,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"AarenConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.num_sink_tokens > 0 and self.window_size == 0:
             raise ValueError("num_sink_tokens > 0 needs the window branch: set window_size > 0 as well")
+        if self.memory_size > 0 and self.window_size == 0:
+            raise ValueError(
+                "memory_size > 0 needs the window branch (the memory holds tokens that have left the window and is "
+                "read in the window's softmax): set window_size > 0 as well, or memory_size=0"
+            )
         if not (self.decay_init > 0):
             raise ValueError(f"AarenConfig.decay_init must be > 0 (a decay rate per token), got {self.decay_init!r}")
         if not (0.0 <= self.partial_rotary_factor <= 1.0):

@@ -61,9 +61,15 @@ class AarenLayerState:
         self.sink_k = None  # [B, S, Hkv, D] keys of the first S real tokens, rotated at their own position
         self.sink_v = None
         self.sink_pos = None  # [B, S], -1 while the slot is unfilled
+        self.window_score = None  # [B, <=W-1, Hkv] float32 retention scores of the window entries (memory tier)
+        self.memory_k = None  # [B, Hkv, M, D] rotated keys of the tokens kept after leaving the window
+        self.memory_v = None
+        self.memory_pos = None  # [B, Hkv, M], -1 for an empty slot
+        self.memory_score = None  # [B, Hkv, M] float32
 
     def tensors(self):
-        names = ("aaren_o", "aaren_lse", "window_k", "window_v", "window_pos", "sink_k", "sink_v", "sink_pos")
+        names = ("aaren_o", "aaren_lse", "window_k", "window_v", "window_pos", "sink_k", "sink_v", "sink_pos",
+                 "window_score", "memory_k", "memory_v", "memory_pos", "memory_score")
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
     def _apply(self, fn):
@@ -219,7 +225,8 @@ def rotate(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.
     return torch.cat([rotated.to(x.dtype), xp], -1)
 
 
-def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sink_pos, window, inv_freq, scale):
+def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sink_pos, window, inv_freq, scale,
+                     memory=None):
     """Exact softmax attention of each token over the last ``window`` tokens, plus sink tokens outside the window.
 
     q [B, T, H, D] (not rotated); k, v [B, T, Hkv, D] (k rotated at pos); pos [B, T] (-1: padding);
@@ -230,6 +237,9 @@ def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sin
 
     Queries go in blocks of Q = min(window, T); each block sees window - 1 + Q keys: O(T * window) memory, never
     T x T, and a decode step (T = 1) costs O(window).
+    ``memory``: None, or the exact-memory tier as (keys [B, Hkv, C, D] rotated at their own positions, values,
+    visible [B, Hkv, T, C] bool) from :func:`memory_visibility`; its keys join the same softmax. Each block gathers
+    only the candidates some query of the block sees (at most M + Q), so this part costs O(T * (M + Q)) too.
     Returns [B, T, H, D]; a token that sees no valid key (padding) gets 0.
     """
     B, T, H, D = q.shape
@@ -266,21 +276,78 @@ def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sin
     c = torch.arange(L, device=q.device).view(1, L)
     band = (c >= r) & (c <= r + W - 1)
     valid = band & (pb.unsqueeze(2) >= 0) & (qpos.unsqueeze(-1) >= 0)  # [B, n, Q, L]
-    parts_scores, parts_valid = [scores], [valid]
+    parts_scores, parts_valid = [scores], [valid.unsqueeze(2)]  # valid parts: [B, n, 1 or Hkv, Q, keys]
     if S > 0:
         qs_pos = qpos.reshape(B, Tp).clamp(min=0, max=S + W - 1)
         qs = rotate(qp, qs_pos, inv_freq).float().view(B, nblk, Q, Hkv, G, D)
         parts_scores.append(torch.einsum("bnrkgd,bskd->bnkgrs", qs, sink_k.float()) * scale)
         sp = sink_pos.view(B, 1, 1, S)
-        parts_valid.append((sp >= 0) & (sp <= qpos.unsqueeze(-1) - W) & (qpos.unsqueeze(-1) >= 0))
+        parts_valid.append(((sp >= 0) & (sp <= qpos.unsqueeze(-1) - W) & (qpos.unsqueeze(-1) >= 0)).unsqueeze(2))
+    if memory is not None:
+        mem_k, mem_v, mem_visible = _memory_blocks(*memory, nblk, Q)
+        parts_scores.append(torch.einsum("bnrkgd,bkncd->bnkgrc", qw, mem_k.float()) * scale)
+        parts_valid.append(mem_visible.transpose(1, 2))  # [B, n, Hkv, Q, K]
+    heads = max(v.shape[2] for v in parts_valid)
     scores = torch.cat(parts_scores, -1)
-    valid = torch.cat(parts_valid, -1)[:, :, None, None]
+    valid = torch.cat([v.expand(-1, -1, heads, -1, -1) for v in parts_valid], -1).unsqueeze(3)
     scores = scores.masked_fill(~valid, torch.finfo(scores.dtype).min)
     probs = torch.softmax(scores, -1) * valid.any(-1, keepdim=True)
     out = torch.einsum("bnkgrc,bnkdc->bnrkgd", probs[..., :L], vb)
     if S > 0:
-        out = out + torch.einsum("bnkgrs,bskd->bnrkgd", probs[..., L:], sink_v.float())
+        out = out + torch.einsum("bnkgrs,bskd->bnrkgd", probs[..., L : L + S], sink_v.float())
+    if memory is not None:
+        out = out + torch.einsum("bnkgrc,bkncd->bnrkgd", probs[..., L + S :], mem_v.float())
     return out.reshape(B, Tp, H, D)[:, :T].to(q.dtype)
+
+
+def memory_visibility(cand_pos, cand_score, first_stream, window, num_sinks, memory_size, query_valid):
+    """Which memory candidates each query sees, and which to keep for the next call.
+
+    Candidates [B, Hkv, C] are the memory held so far (the first ``first_stream``, always eligible) followed by the
+    stream (the window entries held so far, then this call's T tokens, in order). Query i of this call sits at stream
+    index P + i (P = C - first_stream - T); the window covers stream indices (P + i - W, P + i], so the tokens before
+    it (a prefix of the candidates) have left the window and are memory-eligible. Of the eligible real tokens
+    (position >= num_sinks: sinks and padding never enter the memory) the query sees the ``memory_size`` with the
+    highest score, ties to the newer. Because a score never changes, a token that drops out of that top set never
+    returns, so the top set over (memory held + newly eligible) equals the top set over the whole past: the
+    parallel path and token-by-token decoding see the same keys.
+
+    Returns (visible [B, Hkv, T, C] bool, keep [B, Hkv, C] bool: the top set for the next query, after this call).
+    """
+    B, Hkv, C = cand_pos.shape
+    T = query_valid.shape[1]
+    P = C - first_stream - T
+    real = cand_pos >= num_sinks
+    # beats[c2, c]: candidate c2 ranks above c. cum[e, c]: how many of candidates 0..e rank above c.
+    s_hi, s_lo = cand_score.unsqueeze(-1), cand_score.unsqueeze(-2)
+    newer = cand_pos.unsqueeze(-1) > cand_pos.unsqueeze(-2)
+    beats = real.unsqueeze(-1) & ((s_hi > s_lo) | ((s_hi == s_lo) & newer))
+    cum = beats.cumsum(2, dtype=torch.int32)  # [B, Hkv, C(e), C(c)]
+    device = cand_pos.device
+    # last eligible candidate index for each query, and for the query after this call (stream index P + T)
+    last = first_stream - 1 + (P + torch.arange(T + 1, device=device) - window + 1).clamp(min=0)
+    rank = cum.index_select(2, last.clamp(min=0))  # [B, Hkv, T + 1, C]
+    index = torch.arange(C, device=device)
+    top = real.unsqueeze(2) & (index <= last.view(-1, 1)) & (rank < memory_size)
+    visible = top[:, :, :T] & query_valid.view(B, 1, T, 1)
+    return visible, top[:, :, T]
+
+
+def _memory_blocks(keys, values, visible, nblk, Q):
+    """Per block of Q queries, gather the candidates some query of the block sees: at most M + Q of them (the block
+    starts with at most M and each query adds at most the one token leaving its window). Returns keys and values
+    [B, Hkv, n, K, D] and visible [B, Hkv, n, Q, K]."""
+    B, Hkv, T, C = visible.shape
+    visible = F.pad(visible, (0, 0, 0, nblk * Q - T)).view(B, Hkv, nblk, Q, C)
+    seen = visible.any(3)  # [B, Hkv, n, C]
+    K = max(1, min(C, int(seen.sum(-1).max())))
+    idx = torch.sort((~seen).to(torch.uint8), dim=-1, stable=True).indices[..., :K]  # seen candidates first
+    D = keys.shape[-1]
+    gather_idx = idx.unsqueeze(-1).expand(B, Hkv, nblk, K, D)
+    k = torch.gather(keys.unsqueeze(2).expand(B, Hkv, nblk, C, D), 3, gather_idx)
+    v = torch.gather(values.unsqueeze(2).expand(B, Hkv, nblk, C, D), 3, gather_idx)
+    vis = torch.gather(visible, 4, idx.unsqueeze(3).expand(B, Hkv, nblk, Q, K))
+    return k, v, vis
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -330,6 +397,10 @@ class AarenMixer(nn.Module):
             else:
                 self.gate_proj = nn.Linear(E, H, bias=True)
             self.register_buffer("rope_inv_freq", torch.zeros(config.rotary_dim // 2), persistent=True)
+        self.memory_size = config.memory_size
+        self.memory_rule = config.memory_rule
+        if self.memory_size > 0 and self.memory_rule == "learned":
+            self.retention_proj = nn.Linear(E, Hkv, bias=True)
 
     def default_inv_freq(self, config):
         rot = config.rotary_dim
@@ -383,13 +454,30 @@ class AarenMixer(nn.Module):
             o = o.squeeze(3)
 
         if self.window > 0:
-            o_win = self.window_branch(q, k, v, pos, state)
+            retention = None
+            if self.memory_size > 0:
+                retention = self.retention_score(x, s)
+            o_win = self.window_branch(q, k, v, pos, state, retention)
             gate = self.window_gate if hasattr(self, "window_gate") else self.gate_proj(x)
             gate = torch.sigmoid(gate.float()).unsqueeze(-1)
             o = gate * o_win.float() + (1 - gate) * o.float()
         return self.o_proj(o.to(x.dtype).reshape(B, T, H * D))
 
-    def window_branch(self, q, k, v, pos, state):
+    def retention_score(self, x, aaren_scores):
+        """[B, T, Hkv] float32: how much each token deserves a place in the memory once it leaves the window.
+
+        Rounded to a grid of 1/64: the same token gets scores that differ in the last bits between a parallel pass
+        and a decode step (other matmul shapes), and an exact tie broken one way in one and the other way in the
+        other would make the two paths keep different tokens. On the grid, ties are real and go to the newer token.
+        """
+        if self.memory_rule == "learned":
+            score = self.retention_proj(x).float()
+        else:
+            B, T = x.shape[:2]
+            score = aaren_scores.view(B, T, self.num_kv_heads, -1).amax(-1)
+        return torch.round(score.detach() * 64) / 64
+
+    def window_branch(self, q, k, v, pos, state, retention=None):
         B, T, Hkv, D = k.shape
         k = rotate(k, pos.clamp(min=0), self.rope_inv_freq)
         S = self.num_sinks
@@ -409,9 +497,12 @@ class AarenMixer(nn.Module):
             sink_k = sink_k.index_put((b_idx, slot), k[b_idx, t_idx].to(sink_k.dtype))
             sink_v = sink_v.index_put((b_idx, slot), v[b_idx, t_idx].to(sink_v.dtype))
             sink_pos = sink_pos.index_put((b_idx, slot), slot)
+        memory = None
+        if self.memory_size > 0:
+            memory, candidates = self.memory_candidates(k, v, pos, retention, k_prev, v_prev, pos_prev, state)
         out = window_attention(
             q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sink_pos, self.window, self.rope_inv_freq,
-            self.scale,
+            self.scale, memory,
         )
         if state is not None:
             # the next token sees itself plus the W - 1 entries before it
@@ -420,7 +511,55 @@ class AarenMixer(nn.Module):
             state.window_v = torch.cat([v_prev, v.to(v_prev.dtype)], 1)[:, first:].detach()
             state.window_pos = torch.cat([pos_prev, pos], 1)[:, first:]
             state.sink_k, state.sink_v, state.sink_pos = sink_k.detach(), sink_v.detach(), sink_pos
+            if memory is not None:
+                state.window_score = candidates["stream_score"][:, first:]
+                self.keep_memory(state, candidates)
         return out
+
+    def memory_candidates(self, k, v, pos, retention, k_prev, v_prev, pos_prev, state):
+        """The memory tier's candidates (memory held + window entries held + this call's tokens) and what each query
+        sees of them (:func:`memory_visibility`). k is rotated; keys/values come back as [B, Hkv, C, D]."""
+        B, T, Hkv, D = k.shape
+        M = self.memory_size
+        prev_score = retention.new_zeros(B, 0, Hkv)
+        if state is not None and state.window_score is not None:
+            prev_score = state.window_score
+        stream_k = torch.cat([k_prev.to(k.dtype), k], 1).transpose(1, 2)  # [B, Hkv, P + T, D]
+        stream_v = torch.cat([v_prev.to(v.dtype), v], 1).transpose(1, 2)
+        stream_pos = torch.cat([pos_prev, pos], 1).unsqueeze(1).expand(B, Hkv, -1)
+        stream_score = torch.cat([prev_score, retention], 1)
+        if state is not None and state.memory_k is not None:
+            cand_k = torch.cat([state.memory_k.to(k.dtype), stream_k], 2)
+            cand_v = torch.cat([state.memory_v.to(v.dtype), stream_v], 2)
+            cand_pos = torch.cat([state.memory_pos, stream_pos], 2)
+            cand_score = torch.cat([state.memory_score, stream_score.transpose(1, 2)], 2)
+            held = M
+        else:
+            cand_k, cand_v, cand_pos, cand_score, held = stream_k, stream_v, stream_pos, stream_score.transpose(1, 2), 0
+        visible, keep = memory_visibility(cand_pos, cand_score, held, self.window, self.num_sinks, M, pos >= 0)
+        candidates = {"k": cand_k, "v": cand_v, "pos": cand_pos, "score": cand_score, "keep": keep,
+                      "stream_score": stream_score}
+        return (cand_k, cand_v, visible), candidates
+
+    def keep_memory(self, state, candidates):
+        """Store the top set for the next query in M fixed slots (empty slots: position -1), so the state has the
+        same size from the first call on."""
+        keep, M = candidates["keep"], self.memory_size
+        B, Hkv, C = keep.shape
+        if C < M:  # fewer candidates than slots: pad with empty ones
+            pad = M - C
+            keep = F.pad(keep, (0, pad))
+            for name, value in (("k", 0.0), ("v", 0.0), ("pos", -1), ("score", float("-inf"))):
+                t = candidates[name]
+                widths = (0, 0, 0, pad) if t.dim() == 4 else (0, pad)
+                candidates[name] = F.pad(t, widths, value=value)
+        idx = torch.sort((~keep).to(torch.uint8), dim=-1, stable=True).indices[..., :M]  # kept ones first
+        kept = keep.gather(2, idx)
+        D = candidates["k"].shape[-1]
+        state.memory_k = candidates["k"].gather(2, idx.unsqueeze(-1).expand(B, Hkv, M, D)).detach()
+        state.memory_v = candidates["v"].gather(2, idx.unsqueeze(-1).expand(B, Hkv, M, D)).detach()
+        state.memory_pos = candidates["pos"].gather(2, idx).masked_fill(~kept, -1)
+        state.memory_score = candidates["score"].gather(2, idx).masked_fill(~kept, float("-inf"))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -504,6 +643,9 @@ class AarenPreTrainedModel(PreTrainedModel):
             if hasattr(module, "gate_proj"):
                 init.zeros_(module.gate_proj.weight)
                 init.constant_(module.gate_proj.bias, config.window_gate_init)
+            if hasattr(module, "retention_proj"):
+                init.zeros_(module.retention_proj.weight)
+                init.zeros_(module.retention_proj.bias)
             if hasattr(module, "rope_inv_freq"):
                 init.copy_(module.rope_inv_freq, module.default_inv_freq(config))
         elif isinstance(module, AarenRMSNorm):

@@ -40,6 +40,11 @@ MIXER_CASES = {
     "gpt2_like_window": dict(GPT2_LIKE, window_size=4),
     "partial_rotary": dict(window_size=4, num_sink_tokens=2, partial_rotary_factor=0.5),
     "gqa_slots_window": dict(num_key_value_heads=2, num_query_slots=2, window_size=4, num_sink_tokens=1),
+    "memory_learned": dict(window_size=3, num_sink_tokens=1, memory_size=3),
+    "memory_aaren_gqa": dict(num_key_value_heads=2, num_query_slots=2, window_size=4, memory_size=2,
+                             memory_rule="aaren"),
+    "memory_gate_input_decay": dict(window_size=3, num_sink_tokens=2, memory_size=4, window_gate="input",
+                                    decay="learned"),
     "everything": dict(
         GPT2_LIKE, num_key_value_heads=2, num_query_slots=2, decay="input", window_size=4, num_sink_tokens=2,
         window_gate="input", qk_norm=True, parallel_residual=True, partial_rotary_factor=0.5,
@@ -97,6 +102,8 @@ def randomize_options(model: torch.nn.Module, seed: int = 0) -> None:
             p.copy_(torch.empty(p.shape).uniform_(math.log(0.05), math.log(0.7), generator=gen))
         elif ".mixer.decay_proj." in name or (".mixer.gate_proj." in name):
             p.copy_(rand(p, 0.3))
+        elif ".mixer.retention_proj." in name:  # zero init ties every token: make the ranking matter
+            p.copy_(rand(p, 2.0))
         elif name.endswith("window_gate"):
             p.copy_(rand(p))
         elif "norm" in name and name.endswith("weight"):
@@ -159,9 +166,11 @@ def rope(x: torch.Tensor, position: torch.Tensor, inv_freq: torch.Tensor) -> tor
     return torch.cat([z.real, z.imag, x[..., 2 * half :].double()], -1)
 
 
-def brute_force_window(q, k, v, pos, window, num_sinks, inv_freq, scale):
+def brute_force_window(q, k, v, pos, window, num_sinks, inv_freq, scale, memory_size=0, retention=None):
     """T x T masked softmax: query at position p sees the real keys at positions (p - W, p] with both rotated at
-    their own position, plus sinks (positions < S, outside that window), seen from position min(p, S + W - 1).
+    their own position, plus sinks (positions < S, outside that window), seen from position min(p, S + W - 1),
+    plus (memory tier) per kv head the ``memory_size`` tokens with the highest ``retention`` [B, T, Hkv] score
+    (ties: the newer) among those at positions S..p - W, at their true distance.
 
     q [B, T, H, D] and k [B, T, Hkv, D] not rotated; pos [B, T] with -1 at padding. Returns float64 [B, T, H, D],
     0 for padding queries.
@@ -183,6 +192,16 @@ def brute_force_window(q, k, v, pos, window, num_sinks, inv_freq, scale):
                     keys.append(i), qpos.append(p)
                 elif pi < num_sinks:
                     keys.append(i), qpos.append(min(p, num_sinks + window - 1))
+            # per kv head: which keys it sees (the memory differs between kv heads)
+            seen = torch.ones(len(keys), k.shape[2], dtype=torch.bool)
+            if memory_size:
+                old = [i for i in range(t + 1) if num_sinks <= int(pos[b, i]) <= p - window]
+                for h in range(k.shape[2]):
+                    ranked = sorted(old, key=lambda i: (float(retention[b, i, h]), int(pos[b, i])), reverse=True)
+                    for i in old:
+                        keys.append(i), qpos.append(p)
+                        seen = torch.cat([seen, torch.zeros(1, k.shape[2], dtype=torch.bool)])
+                        seen[-1, h] = i in ranked[:memory_size]
             idx = torch.tensor(keys)
             kr = rope(k[b, idx], pos[b, idx].unsqueeze(-1).expand(-1, k.shape[2]), inv_freq)  # [n, Hkv, D]
             qr = rope(q[b, t].unsqueeze(0).expand(len(keys), H, D), torch.tensor(qpos).unsqueeze(-1).expand(-1, H),
@@ -190,6 +209,7 @@ def brute_force_window(q, k, v, pos, window, num_sinks, inv_freq, scale):
             kr = kr.repeat_interleave(G, dim=1)
             vv = v[b, idx].double().repeat_interleave(G, dim=1)
             scores = (qr * kr).sum(-1) * scale  # [n, H]
+            scores = scores.masked_fill(~seen.repeat_interleave(G, dim=1), float("-inf"))
             out[b, t] = torch.einsum("nh,nhd->hd", torch.softmax(scores, 0), vv)
     return out
 

@@ -122,8 +122,12 @@ def reference_mixer(mixer, config, x, mask):
     else:
         o = o[:, :, :, 0]
     if config.window_size > 0:
+        retention = None
+        if config.memory_size:  # the mixer's own scores: the rule is checked by test_memory_matches_brute_force
+            s_all = s.float().masked_fill(~mask[:, :, None], 0.0)
+            retention = mixer.retention_score(x.float(), s_all)
         win = brute_force_window(q, k, v, pos, config.window_size, config.num_sink_tokens, mixer.rope_inv_freq,
-                                 scale)
+                                 scale, config.memory_size, retention)
         gate_logit = mixer.window_gate.double() if config.window_gate == "head" else lin(mixer.gate_proj, x)
         gate = torch.sigmoid(gate_logit).unsqueeze(-1)
         o = gate * win + (1 - gate) * o
@@ -182,6 +186,56 @@ def test_window_branch_matches_brute_force(window, sinks, split):
     if sinks and window + sinks < T:  # the sinks matter: dropping them changes the answer
         no_sink = brute_force_window(q, k, v, pos, window, 0, mixer.rope_inv_freq, mixer.scale)
         assert (no_sink - want).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("window,sinks,memory,splits", [(4, 1, 3, (6,)), (3, 0, 2, (1, 2, 3)), (2, 2, 5, (9,)),
+                                                          (5, 1, 1, (4, 1, 1, 1)), (3, 1, 4, ())])
+def test_memory_matches_brute_force(window, sinks, memory, splits):
+    """The exact-memory tier vs a per-query sort of every past token: whole sequence, and in pieces (then one token
+    at a time) with the memory carried in the cache. Scores on a coarse grid, so ties (broken towards the newer
+    token) happen; left padding in row 1; GQA with a different memory per kv head."""
+    kw = dict(window_size=window, num_sink_tokens=sinks, num_key_value_heads=2, memory_size=memory)
+    config = tiny_config(**kw)
+    mixer = tiny_model(**kw).model.layers[0].mixer
+    B, T, H, Hkv, D = 2, 17, 4, 2, config.head_dim
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (3 * torch.randn(B, T, H, D, generator=gen), 3 * torch.randn(B, T, Hkv, D, generator=gen),
+               torch.randn(B, T, Hkv, D, generator=gen))
+    retention = torch.randint(0, 4, (B, T, Hkv), generator=gen).float()
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[1, :3] = False
+    pos = (mask.long().cumsum(1) - 1).masked_fill(~mask, -1)
+    want = brute_force_window(q, k, v, pos, window, sinks, mixer.rope_inv_freq, mixer.scale, memory, retention)
+    with torch.no_grad():
+        whole = mixer.window_branch(q, k, v, pos, None, retention)
+        state, parts, t = AarenLayerState(), [], 0
+        for n in list(splits) + [1] * (T - sum(splits)):
+            cut = slice(t, t + n)
+            parts.append(mixer.window_branch(q[:, cut], k[:, cut], v[:, cut], pos[:, cut], state, retention[:, cut]))
+            t += n
+            assert state.memory_k.shape == (B, Hkv, memory, D)  # fixed size from the first call on
+    torch.testing.assert_close(whole.double(), want, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat(parts, 1).double(), want, atol=2e-5, rtol=1e-5)
+    # teeth: the memory changes the answer, and which tokens it keeps matters
+    no_memory = brute_force_window(q, k, v, pos, window, sinks, mixer.rope_inv_freq, mixer.scale)
+    assert (no_memory - want).abs().max() > 1e-2
+    flipped = brute_force_window(q, k, v, pos, window, sinks, mixer.rope_inv_freq, mixer.scale, memory, -retention)
+    assert (flipped - want).abs().max() > 1e-2
+
+
+def test_memory_size_zero_is_the_model_without_it():
+    """memory_size=0 builds no retention parameters and computes exactly the model without the tier."""
+    base = dict(window_size=4, num_sink_tokens=1, num_query_slots=2, decay="learned")
+    ids = random_ids(2, 13)
+    plain = tiny_model(**base)
+    zero = tiny_model(**base, memory_size=0)
+    assert not any("retention" in n for n, _ in zero.named_parameters())
+    with torch.no_grad():
+        assert torch.equal(plain(ids).logits, zero(ids).logits)
+    with_memory = tiny_model(**base, memory_size=2)
+    with_memory.load_state_dict(plain.state_dict(), strict=False)
+    with torch.no_grad():
+        assert (with_memory(ids).logits - plain(ids).logits).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("with_decay", [False, True])
@@ -322,6 +376,9 @@ def test_half_precision_models_keep_fp32_state(dtype):
         (dict(window_size=-2), "window_size must be an integer >= 0"),
         (dict(vocab_size=2.5), "vocab_size must be an integer > 0"),
         (dict(num_sink_tokens=2), "num_sink_tokens > 0 needs the window branch"),
+        (dict(memory_size=4), "memory_size > 0 needs the window branch"),
+        (dict(window_size=4, memory_size=-1), "memory_size must be an integer >= 0"),
+        (dict(window_size=4, memory_size=2, memory_rule="h2o"), "memory_rule must be one of"),
         (dict(decay="fixed", decay_init=0.0), "decay_init must be > 0"),
         (dict(partial_rotary_factor=1.5), "partial_rotary_factor must be in [0, 1]"),
         (dict(aaren_format_version=AAREN_FORMAT_VERSION + 1), "newer aaren-hf"),
