@@ -33,6 +33,9 @@ except ImportError:
     chunk_aaren, fused_recurrent_aaren = chunk_aaren_torch, recurrent_aaren_torch
 
 
+# Prompts longer than this go through the model in pieces of this many tokens when a cache is kept (prefill).
+PREFILL_CHUNK = 2048
+
 # ----------------------------------------------------------------------------------------------------------------
 # Cache: fixed-size state per layer
 # ----------------------------------------------------------------------------------------------------------------
@@ -717,14 +720,22 @@ class AarenModel(AarenPreTrainedModel):
                 )
             hidden_states = hidden_states + self.embed_positions(pos.clamp(min=0))
 
-        all_hidden = () if output_hidden_states else None
-        for i, layer in enumerate(self.layers):
-            if output_hidden_states:
-                all_hidden += (hidden_states,)
-            hidden_states = layer(hidden_states, mask, pos, None if cache is None else cache.layers[i])
-        hidden_states = self.norm(hidden_states)
+        # With a cache, a long prompt goes through the whole stack in pieces that carry the state: activations (and
+        # the memory tier's ranking, quadratic in the piece) stay bounded by the piece, whatever the prompt length.
+        step = PREFILL_CHUNK if cache is not None else T
+        outputs, per_layer = [], [[] for _ in range(len(self.layers) + 1)]
+        for start_t in range(0, T, max(step, 1)):
+            piece = slice(start_t, start_t + step)
+            h = hidden_states[:, piece]
+            for i, layer in enumerate(self.layers):
+                per_layer[i].append(h)
+                h = layer(h, mask[:, piece], pos[:, piece], None if cache is None else cache.layers[i])
+            outputs.append(self.norm(h))
+            per_layer[-1].append(outputs[-1])
+        hidden_states = outputs[0] if len(outputs) == 1 else torch.cat(outputs, 1)
+        all_hidden = None
         if output_hidden_states:
-            all_hidden += (hidden_states,)
+            all_hidden = tuple(parts[0] if len(parts) == 1 else torch.cat(parts, 1) for parts in per_layer)
         if cache is not None:
             cache.seen_tokens += T
             cache.real_tokens = start + mask.long().sum(1)

@@ -59,6 +59,28 @@ def test_parallel_equals_incremental(case):
     assert moved > 100 * ATOL
 
 
+@pytest.mark.parametrize("case", ["paper", "everything", "memory_gate_input_decay"])
+def test_long_prefill_goes_in_pieces_and_equals_one_pass(case, monkeypatch):
+    """A prompt longer than PREFILL_CHUNK runs through the stack in pieces carrying the cache: same logits and
+    hidden states as one pass without a cache, and the same state as feeding the pieces by hand."""
+    import aaren_hf.modeling_aaren as modeling
+
+    model = tiny_model(**MIXER_CASES[case])
+    ids = random_ids(2, 23, seed=5)
+    with torch.no_grad():
+        want = model(ids, use_cache=False, output_hidden_states=True)
+        monkeypatch.setattr(modeling, "PREFILL_CHUNK", 5)
+        got = model(ids, use_cache=True, output_hidden_states=True)
+    torch.testing.assert_close(got.logits, want.logits, atol=ATOL, rtol=0)
+    for a, b in zip(got.hidden_states, want.hidden_states):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
+    assert got.past_key_values.get_seq_length() == 23
+    with torch.no_grad():  # the cache continues exactly
+        nxt = random_ids(2, 1, seed=6)
+        torch.testing.assert_close(model(nxt, past_key_values=got.past_key_values, use_cache=True).logits[:, -1],
+                                   model(torch.cat([ids, nxt], 1), use_cache=False).logits[:, -1], atol=ATOL, rtol=0)
+
+
 def test_logits_to_keep_and_hidden_states():
     model = tiny_model(window_size=4)
     ids = random_ids(1, 9)
