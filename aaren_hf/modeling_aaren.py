@@ -303,6 +303,11 @@ def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sin
     return out.reshape(B, Tp, H, D)[:, :T].to(q.dtype)
 
 
+def round_retention(score: torch.Tensor) -> torch.Tensor:
+    """Retention scores on a grid of 1/64 (see ``AarenMixer.retention_score``)."""
+    return torch.round(score.float() * 64) / 64
+
+
 def memory_visibility(cand_pos, cand_score, first_stream, window, num_sinks, memory_size, query_valid):
     """Which memory candidates each query sees, and which to keep for the next call.
 
@@ -433,9 +438,7 @@ class AarenMixer(nn.Module):
             q = self.q_norm(q) if q is not None else None
 
         # Aaren branch: op heads are (kv head, query head in group, slot), so query head h uses kv head h // G.
-        c = self.queries.view(Hkv, G * J, D)
-        s = torch.einsum("btkd,kjd->btkj", k.float(), c.float()).reshape(B, T, H * J) * self.scale
-        s = s.masked_fill(~mask.unsqueeze(-1), float("-inf"))
+        s = self.slot_scores(k).masked_fill(~mask.unsqueeze(-1), float("-inf"))
         vv = v.unsqueeze(3).expand(B, T, Hkv, G * J, D).reshape(B, T, H * J, D)
         g = None
         if self.decay != "none":
@@ -466,6 +469,13 @@ class AarenMixer(nn.Module):
             o = gate * o_win.float() + (1 - gate) * o.float()
         return self.o_proj(o.to(x.dtype).reshape(B, T, H * D))
 
+    def slot_scores(self, k):
+        """Aaren scores <k_t, c_hj> / sqrt(D) [B, T, H*J] float32 of keys k [B, T, Hkv, D]; op heads are (kv head,
+        query head in its group, slot), so query head h reads kv head h // G."""
+        B, T, Hkv, D = k.shape
+        c = self.queries.view(Hkv, -1, D)
+        return torch.einsum("btkd,kjd->btkj", k.float(), c.float()).reshape(B, T, -1) * self.scale
+
     def retention_score(self, x, aaren_scores):
         """[B, T, Hkv] float32: how much each token deserves a place in the memory once it leaves the window.
 
@@ -478,7 +488,7 @@ class AarenMixer(nn.Module):
         else:
             B, T = x.shape[:2]
             score = aaren_scores.view(B, T, self.num_kv_heads, -1).amax(-1)
-        return torch.round(score.detach() * 64) / 64
+        return round_retention(score.detach())
 
     def window_branch(self, q, k, v, pos, state, retention=None):
         B, T, Hkv, D = k.shape

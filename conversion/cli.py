@@ -129,6 +129,12 @@ def convert_parser() -> argparse.ArgumentParser:
                    help="softmax window branch over the last W tokens (0: none)")
     g.add_argument("--num-sink-tokens", type=_int(0, 1024), metavar="S",
                    help="first S tokens kept visible to the window branch (needs --window-size > 0)")
+    g.add_argument("--memory-size", type=_int(0, 1 << 16), metavar="M",
+                   help="exact-memory tier: per KV head, M tokens kept after they leave the window (needs "
+                        "--window-size > 0; 0: none)")
+    g.add_argument("--memory-rule", choices=("learned", "aaren"),
+                   help="what the memory keeps: a retention score fitted to the teacher's attention, or the Aaren "
+                        "queries' scores")
     g.add_argument("--window-gate", choices=("head", "input"), help="window/Aaren mix: one gate per head, or from "
                                                                      "the input")
 
@@ -222,7 +228,8 @@ def options_from_args(args, parser):
         opts = options_from_recipe(args.recipe)
     else:
         opts = ConvertOptions()
-    mixer = {k: getattr(args, k) for k in ("num_query_slots", "decay", "window_size", "num_sink_tokens", "window_gate")
+    mixer = {k: getattr(args, k) for k in ("num_query_slots", "decay", "window_size", "num_sink_tokens", "window_gate",
+                                           "memory_size", "memory_rule")
              if getattr(args, k) is not None}
     stage1 = {"steps": args.stage1_steps, "lr": args.stage1_lr, "windows": args.stage1_windows,
               "batch_size": args.stage1_batch_size, "checkpoint_every": args.checkpoint_every}
@@ -249,6 +256,9 @@ def options_from_args(args, parser):
 
 def validate_options(opts, parser) -> None:
     m = opts.mixer
+    if m.get("memory_size", 0) > 0 and m.get("window_size", 0) == 0:
+        parser.error(f"--memory-size {m['memory_size']} needs the window branch: give --window-size > 0 "
+                     "(the memory holds tokens that have left the window)")
     if m.get("num_sink_tokens", 0) > 0 and m.get("window_size", 0) == 0:
         parser.error(f"--num-sink-tokens {m['num_sink_tokens']} needs the window branch: give --window-size > 0 "
                      "as well, or --num-sink-tokens 0")

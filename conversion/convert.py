@@ -38,6 +38,7 @@ import torch
 from . import train_state as ts
 from .stage1 import Stage1Options, run_stage1
 from .stage2 import Stage2Options, run_stage2
+from .recipes import DEFAULT_MIXER
 
 __all__ = ["ConvertOptions", "ConversionError", "convert", "default_output_name", "resolve_teacher",
            "options_from_recipe", "load_teacher", "build_student"]
@@ -63,8 +64,7 @@ class ConvertOptions:
     train_windows: int = 64
     heldout_windows: int = 16
     seed: int = 0
-    mixer: dict = field(default_factory=lambda: {"num_query_slots": 4, "decay": "learned", "window_size": 64,
-                                                 "num_sink_tokens": 1, "window_gate": "head"})
+    mixer: dict = field(default_factory=lambda: dict(DEFAULT_MIXER))
     init_windows: int = 4
     kmeans_iterations: int = 8
     decay_spread: float = 2.0

@@ -317,6 +317,9 @@ def aaren_state_bytes(student_config, kv_dtype: torch.dtype = torch.float32) -> 
     if c.window_size > 0:
         tokens = c.window_size - 1 + c.num_sink_tokens
         per_layer += 2 * tokens * Hkv * D * _bytes_of(kv_dtype) + tokens * 8
+    M = getattr(c, "memory_size", 0)
+    if M > 0:  # memory keys/values, positions (int64) and scores (float32); window entries' scores (float32)
+        per_layer += 2 * M * Hkv * D * _bytes_of(kv_dtype) + M * Hkv * 12 + (c.window_size - 1) * Hkv * 4
     return c.num_hidden_layers * per_layer
 
 

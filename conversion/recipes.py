@@ -26,6 +26,8 @@ DEFAULT_MIXER = {
     "window_size": 64,
     "num_sink_tokens": 1,
     "window_gate": "head",
+    "memory_size": 32,
+    "memory_rule": "learned",
 }
 
 

@@ -28,6 +28,7 @@ from safetensors.torch import load_file
 
 from . import train_state as ts
 from .adapters import teacher_layers
+from .retention import coverage, fit_retention, rule_scores, teacher_attention
 
 __all__ = ["Stage1Options", "capture_attention", "fvu", "run_stage1", "train_mixer", "mixer_trainable_parameters"]
 
@@ -155,8 +156,8 @@ def mixer_trainable_parameters(mixer, train_teacher_weights: bool = True) -> tup
     new, inherited = [], []
     for name, p in mixer.named_parameters():
         top = name.split(".", 1)[0]
-        if top == "log_decay" and getattr(mixer, "decay", None) == "fixed":
-            p.requires_grad_(False)
+        if (top == "log_decay" and getattr(mixer, "decay", None) == "fixed") or top == "retention_proj":
+            p.requires_grad_(False)  # retention_proj: fitted in closed form (retention.py), no gradient reaches it
         elif top in TEACHER_INIT_PARAMS:
             p.requires_grad_(train_teacher_weights)
             if train_teacher_weights:
@@ -413,6 +414,7 @@ def run_stage1(student, teacher, train_windows: torch.Tensor, heldout_windows: t
         say(f"stage 1: capture took {time.time() - t0:.0f} s")
 
         bar = progress_factory(len(todo) * opts.steps, "stage 1: layers") if progress_factory else None
+        tlayers = teacher_layers(teacher)
         for i in todo:
             mixer = student.model.layers[i].mixer
             x, y = acts.pop(i)
@@ -426,6 +428,9 @@ def run_stage1(student, teacher, train_windows: torch.Tensor, heldout_windows: t
                 if bar:
                     bar.close()
                 return {"interrupted": True, "layer": i, "step": rec["interrupted_at"]}
+            if getattr(mixer, "memory_size", 0) > 0:
+                rec["memory"] = fit_memory(mixer, tlayers[i], x, ho32[0] if ho32 is not None else None)
+                say(f"stage 1 layer {i:2d}: memory " + ", ".join(f"{k} {v:.3f}" for k, v in rec["memory"].items()))
             weights, meta = _layer_files(folder, i)
             ts.atomic_save_tensors(weights, ts.trainable_state(mixer, include_frozen=True))
             ts.atomic_write_json(meta, rec)
@@ -450,7 +455,9 @@ def run_stage1(student, teacher, train_windows: torch.Tensor, heldout_windows: t
         records = _broadcast_records(records, num_layers, accelerator)
     layers = [{k: v for k, v in records[i].items() if k != "losses"} for i in range(num_layers)]
     fvus = [r.get("heldout_fvu_after") for r in layers if r.get("heldout_fvu_after") is not None]
+    memory = [r["memory"] for r in layers if r.get("memory")]
     summary = {
+        "memory": {k: _mean([m.get(k) for m in memory]) for k in memory[0]} if memory else None,
         "layers": layers,
         "mean_heldout_fvu_before": _mean([r.get("heldout_fvu_before") for r in layers]),
         "mean_heldout_fvu_after": _mean(fvus),
@@ -458,6 +465,24 @@ def run_stage1(student, teacher, train_windows: torch.Tensor, heldout_windows: t
         "seconds": round(time.time() - started, 1),
     }
     return summary
+
+
+def fit_memory(mixer, teacher_layer, x: torch.Tensor, heldout_x: Optional[torch.Tensor], batch: int = 4) -> dict:
+    """Fit the memory tier's retention score to the teacher's attention on the captured windows, and measure on
+    held-out windows the share of beyond-window attention each rule keeps (docs/conversion.md: why "learned")."""
+    inv_freq = mixer.rope_inv_freq
+    attn = torch.cat([teacher_attention(teacher_layer, x[s : s + batch], inv_freq) for s in range(0, x.shape[0], batch)])
+    out = {}
+    if mixer.memory_rule == "learned":
+        out["fit_r2"] = fit_retention(mixer, x.float(), attn)["r2"]
+    del attn
+    if heldout_x is not None and heldout_x.shape[0]:
+        attn = teacher_attention(teacher_layer, heldout_x, inv_freq)
+        rules = ("learned", "aaren", "recent") if mixer.memory_rule == "learned" else ("aaren", "recent")
+        for rule in rules:
+            scores = rule_scores(mixer, heldout_x, rule)
+            out[f"coverage_{rule}"] = coverage(attn, scores, mixer.window, mixer.num_sinks, mixer.memory_size)
+    return out
 
 
 def _mean(values) -> Optional[float]:
