@@ -9,6 +9,7 @@ NORM_TYPES = ("rmsnorm", "layernorm")
 MLP_TYPES = ("gated", "plain")
 POSITION_EMBEDDINGS = ("none", "learned")
 MEMORY_RULES = ("learned", "aaren")
+LAYER_TYPES = ("linear_attention", "sliding_attention")
 # Bumped when a checkpoint's meaning changes; code refuses checkpoints from a newer format instead of misreading them.
 AAREN_FORMAT_VERSION = 1
 
@@ -40,6 +41,8 @@ class AarenConfig(PreTrainedConfig):
             head (zero-initialised: then every token ties and the memory holds the M newest tokens beyond the
             window; conversion trains it to predict which tokens the teacher's later queries attend to).
             "aaren": the highest Aaren score <k, c_hj> over the head group's learned queries, no extra parameters.
+        layer_types (`list[str]`, None): per layer, "linear_attention" (the Aaren mixer above, named as transformers names recurrent layers) or "sliding_attention" (the window
+            branch alone: exact softmax over sinks, window and memory, no Aaren state, no gate). None: all "linear_attention".
         chunk_size (`int`, 32): chunk length of the parallel scan (32 measured fastest for the PyTorch path on CPU).
 
     Block:
@@ -90,6 +93,7 @@ class AarenConfig(PreTrainedConfig):
         window_gate_init=0.0,
         memory_size=0,
         memory_rule="learned",
+        layer_types=None,
         chunk_size=32,
         initializer_range=0.02,
         use_cache=True,
@@ -137,6 +141,7 @@ class AarenConfig(PreTrainedConfig):
         self.window_gate_init = window_gate_init
         self.memory_size = memory_size
         self.memory_rule = memory_rule
+        self.layer_types = list(layer_types) if layer_types is not None else None
         self.chunk_size = chunk_size
         self.initializer_range = initializer_range
         self.use_cache = use_cache
@@ -198,6 +203,19 @@ class AarenConfig(PreTrainedConfig):
                 "memory_size > 0 needs the window branch (the memory holds tokens that have left the window and is "
                 "read in the window's softmax): set window_size > 0 as well, or memory_size=0"
             )
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_hidden_layers or any(t not in LAYER_TYPES for t in self.layer_types):
+                raise ValueError(
+                    f"layer_types must list one of {LAYER_TYPES} for each of the {self.num_hidden_layers} layers, got "
+                    f"{self.layer_types!r}"
+                )
+            if "sliding_attention" in self.layer_types and self.window_size == 0:
+                raise ValueError("a 'sliding_attention' layer is the window branch alone: set window_size > 0")
+            if "sliding_attention" in self.layer_types and self.memory_size > 0 and self.memory_rule == "aaren":
+                raise ValueError(
+                    "memory_rule='aaren' ranks tokens by the Aaren queries, which 'sliding_attention' layers do not "
+                    "have: use memory_rule='learned'"
+                )
         if not (self.decay_init > 0):
             raise ValueError(f"AarenConfig.decay_init must be > 0 (a decay rate per token), got {self.decay_init!r}")
         if not (0.0 <= self.partial_rotary_factor <= 1.0):
@@ -210,6 +228,9 @@ class AarenConfig(PreTrainedConfig):
     def uses_query_projection(self) -> bool:
         """q_proj exists when slots are mixed by the input or the window branch needs per-token queries."""
         return self.num_query_slots > 1 or self.window_size > 0
+
+    def layer_type(self, index: int) -> str:
+        return "linear_attention" if self.layer_types is None else self.layer_types[index]
 
     @property
     def rotary_dim(self) -> int:

@@ -371,6 +371,9 @@ class AarenMixer(nn.Module):
     a sliding-window softmax branch with sinks, gated per head. Keys and values keep the teacher's grouping (GQA).
     """
 
+    # Parameters with no counterpart in a softmax-attention teacher: what a conversion initialises and trains anew.
+    NEW_PARAMETERS = ("queries", "log_decay", "decay_proj", "window_gate", "gate_proj", "retention_proj")
+
     def __init__(self, config, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
@@ -393,6 +396,18 @@ class AarenMixer(nn.Module):
         if config.qk_norm:
             self.q_norm = AarenRMSNorm(D, eps=config.rms_norm_eps)
             self.k_norm = AarenRMSNorm(D, eps=config.rms_norm_eps)
+        self.aaren_branch = config.layer_type(layer_idx) == "linear_attention"
+        if self.aaren_branch:
+            self.build_aaren_branch(config)
+        if self.window > 0:
+            self.register_buffer("rope_inv_freq", torch.zeros(config.rotary_dim // 2), persistent=True)
+        self.memory_size = config.memory_size
+        self.memory_rule = config.memory_rule
+        if self.memory_size > 0 and self.memory_rule == "learned":
+            self.retention_proj = nn.Linear(E, Hkv, bias=True)
+
+    def build_aaren_branch(self, config):
+        H, D, J, E = self.num_heads, self.head_dim, self.num_slots, config.hidden_size
         self.queries = nn.Parameter(torch.zeros(H, J, D))
         if self.decay != "none":
             # decay rate per head and slot: g = -exp(log_decay) per token (times an input factor in "input" mode)
@@ -404,11 +419,6 @@ class AarenMixer(nn.Module):
                 self.window_gate = nn.Parameter(torch.zeros(H))
             else:
                 self.gate_proj = nn.Linear(E, H, bias=True)
-            self.register_buffer("rope_inv_freq", torch.zeros(config.rotary_dim // 2), persistent=True)
-        self.memory_size = config.memory_size
-        self.memory_rule = config.memory_rule
-        if self.memory_size > 0 and self.memory_rule == "learned":
-            self.retention_proj = nn.Linear(E, Hkv, bias=True)
 
     def default_inv_freq(self, config):
         rot = config.rotary_dim
@@ -428,8 +438,7 @@ class AarenMixer(nn.Module):
         With ``state`` the layer continues from it and leaves the updated state there.
         """
         B, T, _ = x.shape
-        H, Hkv, D, J = self.num_heads, self.num_kv_heads, self.head_dim, self.num_slots
-        G = H // Hkv
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         k = self.k_proj(x).view(B, T, Hkv, D)
         v = self.v_proj(x).view(B, T, Hkv, D)
         q = self.q_proj(x).view(B, T, H, D) if hasattr(self, "q_proj") else None
@@ -437,9 +446,27 @@ class AarenMixer(nn.Module):
             k = self.k_norm(k)
             q = self.q_norm(q) if q is not None else None
 
-        # Aaren branch: op heads are (kv head, query head in group, slot), so query head h uses kv head h // G.
-        s = self.slot_scores(k).masked_fill(~mask.unsqueeze(-1), float("-inf"))
-        vv = v.unsqueeze(3).expand(B, T, Hkv, G * J, D).reshape(B, T, H * J, D)
+        s = None
+        if self.aaren_branch:
+            s = self.slot_scores(k).masked_fill(~mask.unsqueeze(-1), float("-inf"))
+            o = self.aaren_output(x, q, v, s, mask, state)
+        if self.window > 0:
+            retention = self.retention_score(x, s) if self.memory_size > 0 else None
+            o_win = self.window_branch(q, k, v, pos, state, retention)
+            if not self.aaren_branch:
+                o = o_win
+            else:
+                gate = self.window_gate if hasattr(self, "window_gate") else self.gate_proj(x)
+                gate = torch.sigmoid(gate.float()).unsqueeze(-1)
+                o = gate * o_win.float() + (1 - gate) * o.float()
+        return self.o_proj(o.to(x.dtype).reshape(B, T, H * D))
+
+    def aaren_output(self, x, q, v, s, mask, state):
+        """The Aaren branch [B, T, H, D]: per head and slot the running softmax(s)-weighted mean of the values (the
+        scan), slots mixed by the real query."""
+        B, T, Hkv, D = v.shape
+        H, J = self.num_heads, self.num_slots
+        vv = v.unsqueeze(3).expand(B, T, Hkv, H // Hkv * J, D).reshape(B, T, H * J, D)
         g = None
         if self.decay != "none":
             g = self.log_decay_per_token(x).masked_fill(~mask.unsqueeze(-1), 0.0)
@@ -453,21 +480,10 @@ class AarenMixer(nn.Module):
         if state is not None:
             state.aaren_o, state.aaren_lse = final
         o = o.view(B, T, H, J, D)
-        if J > 1:
-            mix = torch.einsum("bthd,hjd->bthj", q.float(), self.queries.float()) * self.scale
-            o = (torch.softmax(mix, -1).unsqueeze(-1) * o.float()).sum(3)
-        else:
-            o = o.squeeze(3)
-
-        if self.window > 0:
-            retention = None
-            if self.memory_size > 0:
-                retention = self.retention_score(x, s)
-            o_win = self.window_branch(q, k, v, pos, state, retention)
-            gate = self.window_gate if hasattr(self, "window_gate") else self.gate_proj(x)
-            gate = torch.sigmoid(gate.float()).unsqueeze(-1)
-            o = gate * o_win.float() + (1 - gate) * o.float()
-        return self.o_proj(o.to(x.dtype).reshape(B, T, H * D))
+        if J == 1:
+            return o.squeeze(3)
+        mix = torch.einsum("bthd,hjd->bthj", q.float(), self.queries.float()) * self.scale
+        return (torch.softmax(mix, -1).unsqueeze(-1) * o.float()).sum(3)
 
     def slot_scores(self, k):
         """Aaren scores <k_t, c_hj> / sqrt(D) [B, T, H*J] float32 of keys k [B, T, Hkv, D]; op heads are (kv head,
@@ -645,7 +661,8 @@ class AarenPreTrainedModel(PreTrainedModel):
         super()._init_weights(module)
         config = self.config
         if isinstance(module, AarenMixer):
-            init.normal_(module.queries, mean=0.0, std=1.0)
+            if hasattr(module, "queries"):
+                init.normal_(module.queries, mean=0.0, std=1.0)
             if hasattr(module, "log_decay"):
                 init.constant_(module.log_decay, math.log(config.decay_init))
             if hasattr(module, "decay_proj"):

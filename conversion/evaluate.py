@@ -313,14 +313,16 @@ def aaren_state_bytes(student_config, kv_dtype: torch.dtype = torch.float32) -> 
     sinks in ``kv_dtype`` (2 * (W-1+S) * Hkv * D), and their positions (int64, W - 1 + S)."""
     c = student_config
     H, J, D, Hkv = c.num_attention_heads, c.num_query_slots, c.head_dim, c.num_key_value_heads
-    per_layer = (H * J * D + H * J) * 4
+    aaren = (H * J * D + H * J) * 4
+    per_layer = 0
     if c.window_size > 0:
         tokens = c.window_size - 1 + c.num_sink_tokens
         per_layer += 2 * tokens * Hkv * D * _bytes_of(kv_dtype) + tokens * 8
     M = getattr(c, "memory_size", 0)
     if M > 0:  # memory keys/values, positions (int64) and scores (float32); window entries' scores (float32)
         per_layer += 2 * M * Hkv * D * _bytes_of(kv_dtype) + M * Hkv * 12 + (c.window_size - 1) * Hkv * 4
-    return c.num_hidden_layers * per_layer
+    aaren_layers = sum(c.layer_type(i) == "linear_attention" for i in range(c.num_hidden_layers))
+    return c.num_hidden_layers * per_layer + aaren_layers * aaren
 
 
 def equal_memory_window(student_config, teacher_config, sinks: int, kv_dtype: torch.dtype = torch.float32) -> dict:

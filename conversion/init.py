@@ -217,7 +217,7 @@ def initialize_student(student, teacher, calibration_windows: torch.Tensor, *, s
     report = {"calibration_windows": int(windows.shape[0]), "calibration_length": int(windows.shape[1]),
               "kmeans_iterations": kmeans_iterations, "decay_spread": decay_spread, "query_scale": query_scale,
               "layers": []}
-    dtype = mixers[0].queries.dtype
+    dtype = next(mixers[0].parameters()).dtype
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # thousands of tiny k-means ops: thread barriers cost more than they give
     try:
@@ -225,11 +225,15 @@ def initialize_student(student, teacher, calibration_windows: torch.Tensor, *, s
                     kmeans_iterations, query_scale, gate_clip, cfg)
     finally:
         torch.set_num_threads(threads)
-    first, last = report["layers"][0], report["layers"][-1]
-    say(f"init: {windows.shape[0]} calibration windows; mean attention distance layer 0 "
-        f"{min(first['mean_distance']):.1f}-{max(first['mean_distance']):.1f}, layer {len(mixers) - 1} "
+    converted = [e for e in report["layers"] if "mean_distance" in e]
+    if not converted:
+        say("init: no Aaren layers (every layer is sliding-window attention): nothing to initialise")
+        return report
+    first, last = converted[0], converted[-1]
+    say(f"init: {windows.shape[0]} calibration windows; mean attention distance layer {first['layer']} "
+        f"{min(first['mean_distance']):.1f}-{max(first['mean_distance']):.1f}, layer {last['layer']} "
         f"{min(last['mean_distance']):.1f}-{max(last['mean_distance']):.1f} tokens"
-        + (f"; window share layer 0 {min(first['window_share']):.2f}-{max(first['window_share']):.2f}"
+        + (f"; window share layer {first['layer']} {min(first['window_share']):.2f}-{max(first['window_share']):.2f}"
            if "window_share" in first else ""))
     return report
 
@@ -239,6 +243,9 @@ def _set_layers(layers, mixers, stats, report, H, J, D, dtype, multipliers, seed
     for layer_idx, (tlayer, mixer) in enumerate(zip(layers, mixers)):
         st = stats[layer_idx]
         x = st.pop("inputs").to(next(tlayer.attention.parameters()).dtype)
+        if not mixer.aaren_branch:  # a sliding-attention layer keeps the teacher's weights: nothing new to set
+            report["layers"].append({"layer": layer_idx, "type": "sliding_attention"})
+            continue
         q, _, _ = teacher_qkv(tlayer, x)  # [N, T, H, D] before rotary
         q = q.float().reshape(-1, q.shape[-2], q.shape[-1])
         if q.shape[1] != H or q.shape[2] != D:
@@ -283,10 +290,7 @@ def _set_layers(layers, mixers, stats, report, H, J, D, dtype, multipliers, seed
 
 def new_parameter_names(student) -> list[str]:
     """Names of the mixer parameters that do not come from the teacher (what :func:`initialize_student` sets)."""
-    names = []
-    for name, _ in student.named_parameters():
-        leaf = name.rsplit(".", 1)[-1]
-        if ".mixer." in name and (leaf in ("queries", "log_decay", "window_gate") or ".decay_proj." in name
-                                  or ".mixer.gate_proj." in name):
-            names.append(name)
-    return names
+    from aaren_hf.modeling_aaren import AarenMixer
+
+    return [name for name, _ in student.named_parameters()
+            if ".mixer." in name and name.split(".mixer.", 1)[1].split(".")[0] in AarenMixer.NEW_PARAMETERS]

@@ -29,6 +29,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from aaren_hf.modeling_aaren import AarenMixer
+
 from . import train_state as ts
 from .stage1 import lr_at
 
@@ -36,7 +38,7 @@ __all__ = ["Stage2Options", "TRAINABLE_SETS", "distill_loss", "heldout_kl", "run
 
 TRAINABLE_SETS = ("all", "mixer", "lora")
 LORA_TARGETS = r".*\.(mixer\.(q_proj|k_proj|v_proj|o_proj)|mlp\.(gate_proj|up_proj|down_proj|fc_in|fc_out))"
-MIXER_NEW = re.compile(r".*\.mixer\.(queries|log_decay|window_gate|decay_proj\..*|gate_proj\..*)$")
+MIXER_NEW = re.compile(r".*\.mixer\.(" + "|".join(AarenMixer.NEW_PARAMETERS) + r")(\..*)?$")
 
 
 @dataclass

@@ -45,6 +45,8 @@ MIXER_CASES = {
                              memory_rule="aaren"),
     "memory_gate_input_decay": dict(window_size=3, num_sink_tokens=2, memory_size=4, window_gate="input",
                                     decay="learned"),
+    "sliding_layer_memory": dict(window_size=4, num_sink_tokens=1, memory_size=2,
+                                 layer_types=["linear_attention", "sliding_attention"]),
     "everything": dict(
         GPT2_LIKE, num_key_value_heads=2, num_query_slots=2, decay="input", window_size=4, num_sink_tokens=2,
         window_gate="input", qk_norm=True, parallel_residual=True, partial_rotary_factor=0.5,

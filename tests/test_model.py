@@ -124,6 +124,10 @@ def reference_mixer(mixer, config, x, mask):
     if config.qk_norm:
         k = _rms(k, mixer.k_norm.weight, config.rms_norm_eps)
         q = _rms(q, mixer.q_norm.weight, config.rms_norm_eps) if q is not None else None
+    if not mixer.aaren_branch:  # a sliding-attention layer: the window branch alone
+        win = brute_force_window(q, k, v, pos, config.window_size, config.num_sink_tokens, mixer.rope_inv_freq,
+                                 scale, config.memory_size, mixer.retention_score(x.float(), None))
+        return lin(mixer.o_proj, win.reshape(B, T, H * D))
     c = mixer.queries.double()  # [H, J, D]
     k_h = k.repeat_interleave(G, dim=2)  # query head h reads kv head h // G
     v_h = v.repeat_interleave(G, dim=2)
@@ -401,6 +405,11 @@ def test_half_precision_models_keep_fp32_state(dtype):
         (dict(memory_size=4), "memory_size > 0 needs the window branch"),
         (dict(window_size=4, memory_size=-1), "memory_size must be an integer >= 0"),
         (dict(window_size=4, memory_size=2, memory_rule="h2o"), "memory_rule must be one of"),
+        (dict(layer_types=["linear_attention"]), "layer_types must list one of"),
+        (dict(layer_types=["linear_attention", "global"]), "layer_types must list one of"),
+        (dict(layer_types=["linear_attention", "sliding_attention"]), "'sliding_attention' layer is the window branch alone"),
+        (dict(window_size=4, memory_size=2, memory_rule="aaren", layer_types=["sliding_attention"] * 2),
+         "use memory_rule='learned'"),
         (dict(decay="fixed", decay_init=0.0), "decay_init must be > 0"),
         (dict(partial_rotary_factor=1.5), "partial_rotary_factor must be in [0, 1]"),
         (dict(aaren_format_version=AAREN_FORMAT_VERSION + 1), "newer aaren-hf"),
