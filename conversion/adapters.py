@@ -44,7 +44,7 @@ __all__ = [
 SUPPORTED_TEACHERS = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "gpt_neox")
 
 MIXER_OPTIONS = ("num_query_slots", "decay", "decay_init", "window_size", "num_sink_tokens", "window_gate",
-                 "window_gate_init", "chunk_size")
+                 "window_gate_init", "memory_size", "memory_rule", "convert_layers", "chunk_size")
 
 
 @dataclass
@@ -453,6 +453,10 @@ def aaren_config_from_teacher(teacher_config, **options) -> AarenConfig:
     """
     cfg = _config_of(teacher_config)
     adapter = get_adapter(cfg)
+    options = dict(options)
+    convert_layers = options.pop("convert_layers", "all")
+    if convert_layers != "all":
+        options["layer_types"] = layer_types_for(convert_layers, cfg.num_hidden_layers)
     unknown = sorted(set(options) - _AAREN_PARAMETERS)
     if unknown:
         raise TypeError(f"unknown AarenConfig option(s) {unknown}; mixer options: {', '.join(MIXER_OPTIONS)}")
@@ -468,6 +472,25 @@ def aaren_config_from_teacher(teacher_config, **options) -> AarenConfig:
     kwargs.update(adapter.config_kwargs(cfg))
     kwargs.update(options)
     return AarenConfig(**kwargs)
+
+
+def layer_types_for(convert_layers: str, num_layers: int) -> list[str]:
+    """``convert_layers``: "all", "none", or comma-separated layer indices that become Aaren layers; the others keep
+    exact sliding-window attention (the window branch alone, with sinks and memory)."""
+    text = str(convert_layers).strip()
+    if text == "all":
+        chosen = set(range(num_layers))
+    elif text == "none":
+        chosen = set()
+    else:
+        try:
+            chosen = {int(part) for part in text.split(",") if part.strip()}
+        except ValueError:
+            raise ValueError(f"convert_layers must be 'all', 'none' or layer indices like '0,5,11', got {text!r}")
+        bad = sorted(i for i in chosen if not 0 <= i < num_layers)
+        if bad:
+            raise ValueError(f"convert_layers names layer(s) {bad}, but the teacher has layers 0..{num_layers - 1}")
+    return ["linear_attention" if i in chosen else "sliding_attention" for i in range(num_layers)]
 
 
 def teacher_layers(model: nn.Module) -> list[TeacherLayer]:

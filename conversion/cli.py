@@ -135,6 +135,9 @@ def convert_parser() -> argparse.ArgumentParser:
     g.add_argument("--memory-rule", choices=("learned", "aaren"),
                    help="what the memory keeps: a retention score fitted to the teacher's attention, or the Aaren "
                         "queries' scores")
+    g.add_argument("--convert-layers", metavar="LAYERS",
+                   help="which layers become Aaren layers: 'all' (default), 'none', or indices like '0,5,11'; the "
+                        "others keep exact sliding-window attention (window + sinks + memory, no Aaren state)")
     g.add_argument("--window-gate", choices=("head", "input"), help="window/Aaren mix: one gate per head, or from "
                                                                      "the input")
 
@@ -229,7 +232,7 @@ def options_from_args(args, parser):
     else:
         opts = ConvertOptions()
     mixer = {k: getattr(args, k) for k in ("num_query_slots", "decay", "window_size", "num_sink_tokens", "window_gate",
-                                           "memory_size", "memory_rule")
+                                           "memory_size", "memory_rule", "convert_layers")
              if getattr(args, k) is not None}
     stage1 = {"steps": args.stage1_steps, "lr": args.stage1_lr, "windows": args.stage1_windows,
               "batch_size": args.stage1_batch_size, "checkpoint_every": args.checkpoint_every}
@@ -256,6 +259,9 @@ def options_from_args(args, parser):
 
 def validate_options(opts, parser) -> None:
     m = opts.mixer
+    if m.get("convert_layers", "all") != "all" and m.get("window_size", 0) == 0:
+        parser.error(f"--convert-layers {m['convert_layers']} keeps layers as sliding-window attention, which needs "
+                     "--window-size > 0")
     if m.get("memory_size", 0) > 0 and m.get("window_size", 0) == 0:
         parser.error(f"--memory-size {m['memory_size']} needs the window branch: give --window-size > 0 "
                      "(the memory holds tokens that have left the window)")

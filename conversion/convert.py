@@ -384,7 +384,7 @@ def convert(opts: ConvertOptions, accelerator=None) -> Optional[Path]:
             f"{opts.seq_len} tokens ({data_info.get('documents')} documents, held out by document)")
 
         student = build_student(teacher, opts.mixer)
-        say(f"student: {json.dumps({k: student.config.to_dict()[k] for k in opts.mixer})}; "
+        say(f"student: {json.dumps(opts.mixer)}; "
             f"{sum(p.numel() for p in student.parameters()) / 1e6:.1f}M parameters")
 
         # --- initialisation -------------------------------------------------------------------------------------

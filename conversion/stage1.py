@@ -478,7 +478,8 @@ def fit_memory(mixer, teacher_layer, x: torch.Tensor, heldout_x: Optional[torch.
     del attn
     if heldout_x is not None and heldout_x.shape[0]:
         attn = teacher_attention(teacher_layer, heldout_x, inv_freq)
-        rules = ("learned", "aaren", "recent") if mixer.memory_rule == "learned" else ("aaren", "recent")
+        rules = [r for r in ("learned", "aaren", "recent")
+                 if (r != "learned" or mixer.memory_rule == "learned") and (r != "aaren" or mixer.aaren_branch)]
         for rule in rules:
             scores = rule_scores(mixer, heldout_x, rule)
             out[f"coverage_{rule}"] = coverage(attn, scores, mixer.window, mixer.num_sinks, mixer.memory_size)

@@ -1,0 +1,92 @@
+# Copyright 2026 The aaren-hf authors. Apache-2.0.
+"""Converting into the memory tier and sliding-attention layers: the retention fit, the coverage measurement that
+chooses the rule, --convert-layers, and a whole tiny conversion with both."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import aaren_hf  # noqa: F401
+from aaren_hf.conversion import retention
+from aaren_hf.conversion.adapters import layer_types_for
+from helpers import one_thread, tiny_model  # noqa: F401  (autouse fixture)
+from test_conversion import read_weights, tiny, tiny_options  # noqa: F401  (fixture)
+
+
+def test_layer_types_for_parses_and_refuses():
+    assert layer_types_for("all", 3) == ["linear_attention"] * 3
+    assert layer_types_for("none", 2) == ["sliding_attention"] * 2
+    assert layer_types_for("0,2", 3) == ["linear_attention", "sliding_attention", "linear_attention"]
+    with pytest.raises(ValueError, match=r"layer\(s\) \[3\], but the teacher has layers 0..2"):
+        layer_types_for("1,3", 3)
+    with pytest.raises(ValueError, match="'all', 'none' or layer indices"):
+        layer_types_for("global", 3)
+
+
+def _attention_that_wants(marked: torch.Tensor, T: int, heads: int) -> torch.Tensor:
+    """Causal attention [B, H, T, T] where every query puts most of its weight on the marked keys it can see."""
+    B = marked.shape[0]
+    logits = torch.zeros(B, heads, T, T) + 4.0 * marked.float().view(B, 1, 1, T)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    return torch.softmax(logits.masked_fill(~causal, float("-inf")), -1)
+
+
+def test_fit_retention_learns_what_far_queries_attend_and_coverage_says_so():
+    """Tokens carrying a marker feature get the attention of later queries; the fitted retention score must rank
+    them first, so the memory's coverage of beyond-window attention beats keeping the newest tokens."""
+    torch.manual_seed(0)
+    model = tiny_model(window_size=4, num_sink_tokens=1, memory_size=3)
+    mixer = model.model.layers[0].mixer
+    B, T, E = 6, 40, model.config.hidden_size
+    x = torch.randn(B, T, E)
+    marked = torch.rand(B, T) < 0.08
+    x[..., 0] = x[..., 0] + 3.0 * marked.float()  # the feature a linear score can read
+    attn = _attention_that_wants(marked, T, model.config.num_attention_heads)
+    fit = retention.fit_retention(mixer, x, attn)
+    assert fit["r2"] > 0.1  # the target also depends on position (early keys face fewer rivals), which x lacks
+    learned = retention.coverage(attn, retention.rule_scores(mixer, x, "learned"), 4, 1, 3)
+    recent = retention.coverage(attn, retention.rule_scores(mixer, x, "recent"), 4, 1, 3)
+    assert 0 < recent < learned <= 1
+    assert learned > 1.5 * recent, (learned, recent)
+
+
+def test_coverage_is_one_when_the_memory_holds_everything():
+    T, W, S = 12, 3, 1
+    attn = torch.softmax(torch.randn(1, 2, T, T).masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), -1e9), -1)
+    assert retention.coverage(attn, torch.zeros(1, T, 2), W, S, memory_size=T) == pytest.approx(1.0)
+    assert retention.coverage(attn, torch.zeros(1, T, 2), W, S, memory_size=1) < 1.0
+
+
+def test_conversion_with_memory_and_sliding_layers(tiny, tmp_path):  # noqa: F811
+    """A whole tiny conversion with the memory tier, one layer kept as sliding attention: the retention score is
+    fitted (no longer zero), coverage is reported, the sliding layer has no Aaren parameters, and the result
+    loads and decodes exactly as it scores."""
+    from aaren_hf import AarenForCausalLM
+    from aaren_hf.conversion.convert import convert
+
+    teacher, data = tiny
+    mixer = {"num_query_slots": 2, "decay": "learned", "window_size": 8, "num_sink_tokens": 1, "window_gate": "head",
+             "memory_size": 4, "memory_rule": "learned", "convert_layers": "1"}
+    out = convert(tiny_options(teacher, data, tmp_path / "out", mixer=mixer))
+    model = AarenForCausalLM.from_pretrained(out).eval()
+    assert model.config.layer_types == ["sliding_attention", "linear_attention"]
+    weights = read_weights(out)
+    assert "model.layers.0.mixer.queries" not in weights and "model.layers.1.mixer.queries" in weights
+    for i in (0, 1):
+        assert weights[f"model.layers.{i}.mixer.retention_proj.weight"].abs().max() > 0
+    import json
+
+    record = json.loads((out / "conversion.json").read_text())
+    memory = record["stage1"]["memory"]
+    assert {"fit_r2", "coverage_learned", "coverage_recent"} <= set(memory)
+    ids = torch.randint(4, 60, (1, 30), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        cache, steps = None, []
+        out_ = model(ids[:, :10], use_cache=True)
+        cache, steps = out_.past_key_values, [out_.logits]
+        for t in range(10, 30):
+            o = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            steps.append(o.logits)
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-4, rtol=0)
