@@ -125,6 +125,11 @@ def _copy_input(src, dest):
     return dest
 
 
+def _given(path, dest):
+    """A part whose JSON was given on the command line, copied next to the report's other data."""
+    return {"data": json.loads(_copy_input(path, dest).read_text()), "source": f"given: {path}", "ran": False}
+
+
 def collect(args, data_dir, cuda_available, default_model):
     """Run the scripts (or take the given JSON). Returns {part: {"data", "source", "ran", "note", "failed"}}."""
     parts = {}
@@ -133,8 +138,7 @@ def collect(args, data_dir, cuda_available, default_model):
     if args.skip_decode:
         parts["decode"] = {"note": "skipped (--skip-decode)"}
     elif args.decode_json:
-        dest = _copy_input(args.decode_json, data_dir / "decode.json")
-        parts["decode"] = {"data": json.loads(dest.read_text()), "source": f"given: {args.decode_json}", "ran": False}
+        parts["decode"] = _given(args.decode_json, data_dir / "decode.json")
     else:
         out = data_dir / "decode.json"
         cmd = decode_command(args, out)
@@ -178,8 +182,7 @@ def collect(args, data_dir, cuda_available, default_model):
     if args.skip_eval:
         parts["eval"] = {"note": "skipped (--skip-eval)"}
     elif args.eval_json:
-        dest = _copy_input(args.eval_json, data_dir / "eval.json")
-        parts["eval"] = {"data": json.loads(dest.read_text()), "source": f"given: {args.eval_json}", "ran": False}
+        parts["eval"] = _given(args.eval_json, data_dir / "eval.json")
     else:
         model = Path(args.model) if args.model else Path(default_model)
         if not (model / "config.json").is_file():

@@ -105,11 +105,28 @@ def _context_axis(ax, values, label):
     ax.set_xlabel(label)
 
 
-def plot_memory(decode, path):
+def _decode_figure(decode):
+    """(plt, fig, ax, rows, contexts) for a plot of the decode benchmark against the context length."""
     plt = _plt()
     rows = decode_rows(decode)
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    contexts = sorted({c for rs in rows.values() for c, _ in rs})
+    return plt, fig, ax, rows, sorted({c for rs in rows.values() for c, _ in rs})
+
+
+def _save_decode_figure(plt, fig, ax, path):
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+    _save(plt, fig, path)
+
+
+def _save(plt, fig, path, **layout):
+    fig.tight_layout(**layout)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_memory(decode, path):
+    plt, fig, ax, rows, contexts = _decode_figure(decode)
     for m, rs in rows.items():
         color, marker, ls = DECODE_STYLE.get(m, (None, "o", "-"))
         ax.plot([c for c, _ in rs], [r["cache_bytes"] for _, r in rs], marker=marker, ls=ls, color=color,
@@ -125,18 +142,11 @@ def plot_memory(decode, path):
             ratio = fmt_num(r["cache_bytes"] / aaren["cache_bytes"])
             title += f"\nLlama KV cache / Aaren state at {fmt_ctx(c)}: {ratio}x"
     ax.set_title(title, fontsize=11)
-    ax.grid(True, which="major", alpha=0.3)
-    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save_decode_figure(plt, fig, ax, path)
 
 
 def plot_latency(decode, path):
-    plt = _plt()
-    rows = decode_rows(decode)
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    contexts = sorted({c for rs in rows.values() for c, _ in rs})
+    plt, fig, ax, rows, contexts = _decode_figure(decode)
     values = []
     for m, rs in rows.items():
         color, marker, ls = DECODE_STYLE.get(m, (None, "o", "-"))
@@ -159,11 +169,7 @@ def plot_latency(decode, path):
     threads = decode.get("machine", {}).get("torch_threads")
     ax.set_title("Per-token decode latency vs context (CPU"
                  + (f", {threads} thread{'s' if threads != 1 else ''}" if threads else "") + "; bars: IQR)")
-    ax.grid(True, which="major", alpha=0.3)
-    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save_decode_figure(plt, fig, ax, path)
 
 
 def _wrap(name, width=24):
@@ -211,9 +217,7 @@ def plot_perplexity(ev, path):
     if has_tail:
         ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False, fontsize=9)
     ax.grid(True, axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def recall_series(ev):
@@ -251,9 +255,7 @@ def plot_recall(ev, path):
                  fontsize=11)
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=min(3, max(1, len(labels))), frameon=False, fontsize=9)
-    fig.tight_layout(rect=(0, 0.12, 1, 1))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path, rect=(0, 0.12, 1, 1))
 
 
 def plot_scan(kernels, path):
@@ -308,6 +310,4 @@ def plot_scan(kernels, path):
         ax.grid(True, which="major", alpha=0.3)
         ax.legend(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2, frameon=False)
     fig.suptitle("Aaren scan vs causal attention: time vs sequence length", fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)

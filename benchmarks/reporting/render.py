@@ -23,9 +23,8 @@ def _section_start(title, part):
 
 
 def section_decode(part, plots, notes):
-    lines = _section_start("## 1-2. Decode: memory and per-token latency vs context", part)
-    if "data" not in part:
-        return lines
+    """Body of the decode benchmark: its setting, memory and latency tables, targets. Appends caveats to ``notes``."""
+    lines = []
     d = part["data"]
     m, cfg = d.get("machine", {}), d.get("config", {})
     lines.append(
@@ -106,9 +105,8 @@ def section_decode(part, plots, notes):
 
 
 def section_eval(part, plots, notes):
-    lines = _section_start("## 3-4. Conversion evaluation: perplexity and recall", part)
-    if "data" not in part:
-        return lines
+    """Body of the evaluation: perplexity, recall, state bytes, samples. Appends caveats to ``notes``."""
+    lines = []
     ev = part["data"]
     s = ev.get("setup", {})
     lines.append(
@@ -184,9 +182,8 @@ def section_eval(part, plots, notes):
 
 
 def section_kernels(part, plots, notes):
-    lines = _section_start("## 5. Scan time vs sequence length", part)
-    if "data" not in part:
-        return lines
+    """Body of the kernel benchmark: CPU and CUDA scan times, decode steps. Appends caveats to ``notes``."""
+    lines = []
     kernels = part["data"]
     if part.get("note"):
         lines += [part["note"], ""]
@@ -233,12 +230,22 @@ def section_kernels(part, plots, notes):
     return lines
 
 
+SECTIONS = (  # part, title, body
+    ("decode", "## 1-2. Decode: memory and per-token latency vs context", section_decode),
+    ("eval", "## 3-4. Conversion evaluation: perplexity and recall", section_eval),
+    ("kernels", "## 5. Scan time vs sequence length", section_kernels),
+)
+
+
 def render_report(parts, plots, command, machine, commit, date):
     """The whole REPORT.md text; ``plots`` is what ``plot.draw_plots`` drew for these parts."""
     notes = []
     body = []
-    for fn, key in ((section_decode, "decode"), (section_eval, "eval"), (section_kernels, "kernels")):
-        body += fn(parts.get(key, {"note": "not run"}), plots, notes)
+    for key, title, section in SECTIONS:
+        part = parts.get(key, {"note": "not run"})
+        body += _section_start(title, part)
+        if "data" in part:
+            body += section(part, plots, notes)
     gpus = ", ".join(machine["gpus"]) or "none"
     head = [
         "# Aaren benchmark report",
