@@ -42,7 +42,8 @@ class AarenAttention(AarenPreTrainedModel):
     r"""Causal Aaren attention over a batch-first sequence.
 
     Args:
-        embed_dim: model width E (input and output).
+        embed_dim: model width E (input and output); or a whole ``AarenConfig``, as ``from_pretrained`` passes it
+            (the other arguments are then unused).
         num_heads: heads; ``embed_dim`` must be a multiple unless ``head_dim`` is given.
         num_query_slots: learned queries per head (J). 1 is the paper's Aaren. J > 1 adds a query projection and
             mixes the slot outputs per token with weights softmax_j(<q_proj(x_t)_h, c_hj> / sqrt(head_dim)).
@@ -58,21 +59,26 @@ class AarenAttention(AarenPreTrainedModel):
     State: an ``AarenAttentionState``, constant in size whatever the length (float32 for the Aaren part).
     """
 
-    def __init__(self, embed_dim: int, num_heads: int, num_query_slots: int = 1, decay="none", bias: bool = True,
-                 chunk_size: Optional[int] = None, **options):
+    def __init__(self, embed_dim, num_heads: Optional[int] = None, num_query_slots: int = 1, decay="none",
+                 bias: bool = True, chunk_size: Optional[int] = None, **options):
+        config = embed_dim if isinstance(embed_dim, AarenConfig) else self._config(
+            embed_dim, num_heads, num_query_slots, decay, bias, chunk_size, **options)
+        super().__init__(config)
+        self.mixer = AarenMixer(config, layer_idx=0)
+        self.post_init()
+
+    @staticmethod
+    def _config(embed_dim, num_heads, num_query_slots, decay, bias, chunk_size, **options) -> AarenConfig:
         if decay is None:
             decay = "none"
         elif isinstance(decay, (int, float)) and not isinstance(decay, bool):
             warnings.warn(f"AarenAttention(decay={decay!r}) is deprecated: pass decay='fixed', decay_init={decay!r}",
-                          FutureWarning, stacklevel=2)
+                          FutureWarning, stacklevel=3)
             decay, options["decay_init"] = "fixed", float(decay)
         if chunk_size is not None:
             options["chunk_size"] = chunk_size
-        config = AarenConfig(hidden_size=embed_dim, num_attention_heads=num_heads, num_query_slots=num_query_slots,
-                             decay=decay, attention_bias=bias, num_hidden_layers=1, **options)
-        super().__init__(config)
-        self.mixer = AarenMixer(config, layer_idx=0)
-        self.post_init()
+        return AarenConfig(hidden_size=embed_dim, num_attention_heads=num_heads, num_query_slots=num_query_slots,
+                           decay=decay, attention_bias=bias, num_hidden_layers=1, **options)
 
     @property
     def embed_dim(self) -> int:

@@ -206,6 +206,15 @@ def test_state_dict_with_the_old_names_loads():
         torch.testing.assert_close(fresh(inputs()), layer(inputs()))
 
 
+def test_save_pretrained_round_trip(tmp_path):
+    layer = make("slots2_window3_sink")
+    layer.save_pretrained(tmp_path)
+    loaded = AarenAttention.from_pretrained(tmp_path).eval()
+    assert loaded.config.window_size == 3 and loaded.config.num_query_slots == 2
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(inputs()), layer(inputs()))
+
+
 @pytest.mark.parametrize(
     "kwargs,message",
     [
