@@ -137,6 +137,7 @@ class AarenAttention(AarenPreTrainedModel):
             for old, new in _LEGACY_NAMES.items():
                 if name.startswith(old):
                     state_dict[prefix + new + name[len(old):]] = state_dict.pop(key)
+                    break
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:
