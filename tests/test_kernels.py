@@ -84,7 +84,7 @@ def rms(x):
 def compare(res, ref, tol, v, label=""):
     """Error of each output: rms(err) / scale <= tol and max|err| / max(scale, max|ref|) <= 10 tol. The scale is
     rms(ref), except for ds, dg and d lse_0: at large score ranges the true ds is ~0 while its two terms are large
-    (AAREN_MATH.md section 3), so these are measured against rms(<v_i, dv_i>) (and rms(<o_0, d o_0>))."""
+    (docs/aaren_math.md section 3), so these are measured against rms(<v_i, dv_i>) (and rms(<o_0, d o_0>))."""
     vdv = rms((v.double() * ref["dv"]).sum(-1))
     errs = {}
     for k in NAMES:

@@ -111,7 +111,7 @@ def _rms(x, weight, eps):
 
 @torch.no_grad()
 def reference_mixer(mixer, config, x, mask):
-    """The mixer written from the config docs and AAREN_MATH.md, in float64, with T x T masked softmaxes."""
+    """The mixer written from the config docs and docs/aaren_math.md, in float64, with T x T masked softmaxes."""
     B, T, E = x.shape
     H, Hkv, D, J = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.num_query_slots
     G, scale = H // Hkv, D**-0.5

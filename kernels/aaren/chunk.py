@@ -1,5 +1,5 @@
 # Copyright 2026 The aaren-hf authors. Apache-2.0.
-"""Chunked Aaren scan in Triton: forward and backward (AAREN_MATH.md sections 2-4).
+"""Chunked Aaren scan in Triton: forward and backward (docs/aaren_math.md sections 2-4).
 
 One program per (sequence, head) walks its chunks of C tokens in order (forward) or in reverse (backward), carrying
 the state across chunks. Inside a chunk every weight is exp(x - max) <= 1:

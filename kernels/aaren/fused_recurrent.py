@@ -6,7 +6,7 @@ Per head the state is (o [D], lse); token t does, with every weight exp(x - max)
     l = lse + g_t;  M = max(l, s_t);  a = exp(l - M), b = exp(s_t - M)
     o <- (a * o + b * v_t) / (a + b),  lse <- M + log(a + b)
 
-Backward: the forward is recomputed by the chunked kernel, whose backward then runs (same math, AAREN_MATH.md
+Backward: the forward is recomputed by the chunked kernel, whose backward then runs (same math, docs/aaren_math.md
 section 3). Decoding needs no gradient, so this costs nothing there.
 """
 

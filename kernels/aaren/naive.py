@@ -3,7 +3,7 @@
 
 State per head is the paper's ``(m, w, u)``: running max, denominator, numerator. Token t does::
 
-    m <- m + g_t                       (decay the carried state; AAREN_MATH.md section 4)
+    m <- m + g_t                       (decay the carried state; docs/aaren_math.md section 4)
     M  = max(m, s_t)
     w <- w * exp(m - M) + exp(s_t - M)
     u <- u * exp(m - M) + v_t * exp(s_t - M)
