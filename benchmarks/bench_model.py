@@ -77,7 +77,7 @@ DEFAULTS = {
     "cuda": dict(models="teacher,aaren,aaren_nowin", train="8x2k,2x8k,1x32k", prompts="2k,16k,128k",
                  generate="64x2k,32x16k,1x4k", repeats=3, warmup=1, steps=32, dtype="bfloat16"),
     "cpu": dict(models="teacher,aaren", train="1x256", prompts="100,500,1000,2000,4000",
-                generate="1x100,1x500,1x1000,1x2000,1x4000", repeats=2, warmup=0, steps=16, dtype="float32"),
+                generate="1x100,1x500,1x1000,1x2000,1x4000", repeats=2, warmup=0, steps=24, dtype="float32"),
 }
 
 
@@ -118,6 +118,8 @@ def build_parser():
     p.add_argument("--warmup", type=int, default=None, help="untimed repetitions first, per row (decode: steps)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: on a shared machine more threads "
                    "than free cores makes times swing by several x)")
+    p.add_argument("--profile", action="store_true", help="after the last generate row, profile a few decode steps "
+                   "of each model (torch.profiler): operator calls per step and the operators that take the time")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", dest="json_path", default=None, help="also write every number to this JSON file")
     return p
@@ -392,8 +394,42 @@ def run_prompts(models, args):
                                        "prefill_median_s": statistics.median(times[kind])}
             generate_rows.append(row)
             _progress(row)
+            if args.profile and (batch, length) == args.generate[-1]:
+                row["profile"] = {k: profile_decode(dec, args.device) for k, dec in decoders.items()}
             del decoders, states
     return prefill_rows, generate_rows
+
+
+def profile_decode(decoder, device, steps=10, top=12):
+    """torch.profiler over a few decode steps: operator calls per step (top-level aten ops: what a launch-bound step
+    pays for) and the operators with the most self time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if str(device).startswith("cuda") else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            decoder.step()
+        synchronize(device)
+    events = prof.events()
+    calls = sum(1 for e in events if e.name.startswith("aten::")
+                and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")))
+    averages = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    layers = decoder.model.config.num_hidden_layers
+    return {"steps": steps, "aten_calls_per_step": calls / steps, "aten_calls_per_layer": calls / steps / layers,
+            "top_self_cpu": [{"op": e.key, "ms_per_step": e.self_cpu_time_total / 1e3 / steps,
+                              "calls_per_step": e.count / steps} for e in averages[:top]]}
+
+
+def warm_up(models, args):
+    """One short prefill and a few decode steps per model before anything is timed (first-call costs: allocator,
+    lazy initialisation, kernel compilation on CUDA)."""
+    ids = random_ids(args, 1, 16, salt=1)
+    with torch.inference_mode():
+        for kind, model in models.items():
+            dec = Decoding(kind, model, *prefill(model, ids), 16, 3)
+            for _ in range(3):
+                dec.step()
+    synchronize(args.device)
 
 
 def _progress(row):
@@ -544,13 +580,20 @@ def print_report(report, args):
     print()
     for line in report["crossover_text"]:
         print(f"- {line}")
+    for row in report["rows"]:
+        if "profile" in row:
+            print(f"\ndecode step profile ({_work_label(row)}; torch.profiler, {args.device}):")
+            for kind, prof in row["profile"].items():
+                ops = ", ".join(f"{o['op']} {o['ms_per_step']:.1f} ms" for o in prof["top_self_cpu"][:6])
+                print(f"- {LABELS[kind]}: {prof['aten_calls_per_step']:.0f} operator calls per step "
+                      f"({prof['aten_calls_per_layer']:.0f} per layer); most self time: {ops}")
     print(f"\n(wall time {report['wall_s']:.0f} s)")
 
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    args.warmup_steps = max(args.warmup, 2) if str(args.device).startswith("cuda") else 1
+    args.warmup_steps = max(args.warmup, 3)
     old_threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
@@ -562,6 +605,7 @@ def main(argv=None):
                   "memory_measure": ("torch.cuda.max_memory_allocated (allocator bytes)"
                                      if str(args.device).startswith("cuda") else
                                      "CPU resident set (VmHWM reset per operation) minus RSS before it, plus weights")}
+        warm_up(models, args)
         rows = run_train(models, args) if args.train else []
         prefill_rows, generate_rows = run_prompts(models, args) if (args.prompts or args.generate) else ([], [])
     finally:
