@@ -41,6 +41,7 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -395,7 +396,10 @@ def run_prompts(models, args):
             generate_rows.append(row)
             _progress(row)
             if args.profile and (batch, length) == args.generate[-1]:
-                row["profile"] = {k: profile_decode(dec, args.device) for k, dec in decoders.items()}
+                try:
+                    row["profile"] = {k: profile_decode(dec, args.device) for k, dec in decoders.items()}
+                except Exception as error:  # a profiler that cannot start (CUPTI) must not lose the timings
+                    print(f"--profile failed: {error!r}", file=sys.stderr)
             del decoders, states
     return prefill_rows, generate_rows
 
@@ -625,8 +629,7 @@ def main(argv=None):
     report["wall_s"] = time.perf_counter() - t_start
     print_report(report, args)
     if args.json_path:
-        with open(args.json_path, "w") as f:
-            json.dump(report, f, indent=2)
+        Path(args.json_path).write_text(json.dumps(report, indent=2))
         print(f"wrote {args.json_path}")
     return report
 

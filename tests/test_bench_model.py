@@ -1,22 +1,23 @@
 # Copyright 2026 The aaren-hf authors. Apache-2.0.
 """Smoke test of benchmarks/bench_model.py on the tiny shape (seconds). Asserts structure and sanity, never timings."""
 
-import importlib.util
+import importlib
 import json
 import math
+import sys
 from pathlib import Path
 
 import aaren_hf  # noqa: F401  (before transformers' model code: see the note in bench_decode.py)
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_model.py"
 PROMPTS = (24, 40)
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_model", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """benchmarks/ is a folder of scripts, not a package: import bench_model.py (and its bench_decode.py) from it."""
+    folder = str(Path(__file__).resolve().parent.parent / "benchmarks")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    return importlib.import_module("bench_model")
 
 
 def test_bench_model_tiny_table_and_json(tmp_path, capsys):
