@@ -5,7 +5,7 @@
     python examples/generate.py "The capital of France is" --max-new-tokens 20
     python examples/generate.py --chat "What is a Python generator?" "Name three prime numbers."
     python examples/generate.py --model some/folder --trust-remote-code   # load without importing aaren_hf
-    python examples/generate.py --threads 4 "Once upon a time"   # more CPU threads on an idle many-core machine
+    python examples/generate.py --threads 2 "Once upon a time"   # both cores of an idle 2-core machine
 
 One prompt is streamed token by token (TextStreamer); several prompts run as one left-padded batch (a padded row
 gives the same tokens as the prompt run alone) and are printed when done. The recurrent state's size is printed
@@ -26,7 +26,7 @@ DEFAULT_CHAT_PROMPTS = ["What is the capital of France?", "Write a Python functi
 THREADS_HELP = (
     "torch CPU threads. Default: 1 on a machine with 4 usable cores or fewer, else torch's own default (one per "
     "core); 0: torch's default. Small machines are often shared, and torch's threads wait for each other at every "
-    "op: with other work on the cores, torch's default 2 threads made this script 6x slower than 1 thread on a "
+    "op: with other work on the cores, 2 threads decoded 6x to 30x slower than 1 thread on a busy "
     "2-core machine, while a second thread can at best halve the time on an idle one. On an idle machine with "
     "few cores, pass --threads 0 (or the core count)."
 )
