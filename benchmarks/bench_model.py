@@ -291,14 +291,15 @@ def run_train(models, args):
                 for kind in rotated(list(models), r):
                     model, opt = models[kind], optimizers[kind]
                     opt.zero_grad(set_to_none=True)
+                    # held before the step: weights + AdamW moments once they exist (the first step makes them,
+                    # and then they count in its delta); gradients are made inside the step
+                    held = param_bytes[kind] + tensor_bytes(t for s in opt.state.values() for t in s.values()
+                                                            if torch.is_tensor(t))
                     with PeakMemory(args.device) as probe:
-                        model(input_ids=ids, labels=ids).loss.backward()
+                        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
                         opt.step()
                     if r >= args.warmup:
                         times[kind].append(probe.seconds)
-                    # held across steps: weights + AdamW moments (gradients are made and freed inside the step)
-                    held = param_bytes[kind] + tensor_bytes(t for s in opt.state.values() for t in s.values()
-                                                            if torch.is_tensor(t))
                     peak[kind] = _peak(peak[kind], None if probe.delta is None else held + probe.delta)
                     opt.zero_grad(set_to_none=True)
             row = {"work": "train", "batch": batch, "tokens": length, "models": {}}
