@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One prepared pass on a CUDA machine: the GPU-only tests (compiled Triton kernels against float64 and the PyTorch
 # path; the model on CUDA against the CPU and its own decode), then the kernel benchmark at B=1 and at a batch
-# that fills the GPU. Runs from a checkout without installing it, with whatever torch/triton the machine has.
+# that fills the GPU, then the whole model against its teacher (bench_model.py: train step, prefill, generate at the
+# shapes of issue 12, bf16). Runs from a checkout without installing it, with whatever torch/triton the machine has.
 #
 #     bash benchmarks/gpu_check.sh [LOG_DIR]        # logs + bench JSON in LOG_DIR (default /tmp/aaren_gpu_check)
 #
@@ -34,5 +35,8 @@ timeout 200 python3 benchmarks/bench_kernels.py --batch 8 --seqlens 4096 16384 -
   --json "$LOG/bench_b8.json" 2>&1 | tee "$LOG/bench_b8.log" | tail -12
 timeout 100 python3 benchmarks/bench_kernels.py --batch 8 --seqlens 16384 --decay --decode-batches 64 \
   --json "$LOG/bench_b8_decay.json" 2>&1 | tee "$LOG/bench_b8_decay.log" | tail -10
+# whole model vs teacher (SmolLM2-135M shape, random weights, bf16): tokens/s, peak memory and ratios in one run
+timeout 300 python3 benchmarks/bench_model.py --device cuda --profile --json "$LOG/bench_model.json" \
+  2>&1 | tee "$LOG/bench_model.log" | grep -v "^\["
 echo "gpu_check: tests $([ $status = 0 ] && echo passed || echo FAILED)"
 exit $status

@@ -4,6 +4,7 @@
     python examples/long_context.py                          # 1M tokens through the converted model (*)
     python examples/long_context.py --tokens 200000 --chunk 8192
     python examples/long_context.py --tiny --tokens 50000    # random tiny model: runs anywhere in seconds
+    python examples/long_context.py --tokens 100000 --threads 8   # all cores of an idle 8-core machine
 
 The input (held-out python-docs text repeated, or --random token ids) is prefilled chunk by chunk, each chunk
 continuing from the cache the previous one returned; then `generate` continues from that cache. Printed as it goes:
@@ -20,6 +21,9 @@ import argparse
 import os
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from generate import THREADS_HELP, cpu_threads  # noqa: E402  (one rule for --threads in both examples)
 
 DEFAULT_MODEL = "outputs/SmolLM2-135M-Instruct-aaren"
 HOLDOUT_EVERY = 10  # as in finetune_lora.py: every 10th document of the corpus is held out
@@ -107,7 +111,7 @@ def parse_args(argv=None):
                                                                        "about 20 lines in all)")
     parser.add_argument("--kv-bytes", type=int, default=2, help="bytes per teacher KV value (2: bf16/fp16)")
     parser.add_argument("--trust-remote-code", action="store_true", help="load without importing aaren_hf")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
 
@@ -117,10 +121,13 @@ def main(argv=None):
     if args.tokens < 2:
         raise SystemExit("error: --tokens must be at least 2")
 
+    with cpu_threads(args.threads) as threads:
+        return run(args, threads)
+
+
+def run(args, threads):
     import torch
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     if args.tiny:
         model, tokenizer = tiny_model_and_tokenizer()
@@ -149,7 +156,7 @@ def main(argv=None):
     ram = machine_ram()
     print(f"model: {name}: {config.num_hidden_layers} layers, {config.num_key_value_heads} KV heads x "
           f"{config.head_dim} dims; window {config.window_size}, sinks {config.num_sink_tokens}; "
-          f"RAM here: {human(ram) if ram else 'unknown'}", flush=True)
+          f"RAM here: {human(ram) if ram else 'unknown'}; {threads} CPU thread(s)", flush=True)
     print(f"{'tokens':>12} {'tokens/s':>10} {'state bytes':>12} {'teacher KV cache':>17} {'ETA':>8}", flush=True)
 
     import logging

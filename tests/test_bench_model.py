@@ -1,0 +1,97 @@
+# Copyright 2026 The aaren-hf authors. Apache-2.0.
+"""Smoke test of benchmarks/bench_model.py on the tiny shape (seconds). Asserts structure and sanity, never timings."""
+
+import importlib
+import json
+import math
+import sys
+from pathlib import Path
+
+import aaren_hf  # noqa: F401  (before transformers' model code: see the note in bench_decode.py)
+
+PROMPTS = (24, 40)
+
+
+def load_bench():
+    """benchmarks/ is a folder of scripts, not a package: import bench_model.py (and its bench_decode.py) from it."""
+    folder = str(Path(__file__).resolve().parent.parent / "benchmarks")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    return importlib.import_module("bench_model")
+
+
+def test_bench_model_tiny_table_and_json(tmp_path, capsys):
+    bench = load_bench()
+    out = tmp_path / "bench_model.json"
+    bench.main([
+        "--shape", "tiny", "--device", "cpu", "--models", "aaren,aaren_nowin", "--train", "2x32",
+        "--prompts", ",".join(map(str, PROMPTS)), "--generate", ",".join(f"1x{p}" for p in PROMPTS) + ",2x24",
+        "--steps", "3", "--repeats", "2", "--profile", "--json", str(out),
+    ])
+    printed = capsys.readouterr().out
+
+    # the Markdown table: one header with every model and a ratio column per Aaren model, one line per row of work
+    table = [line for line in printed.splitlines() if line.startswith("|")]
+    assert "teacher (Llama, sdpa)" in table[0] and "Aaren default" in table[0] and "Aaren without window" in table[0]
+    assert "Aaren default / teacher" in table[0]
+    assert table[1].startswith("|---|")
+    body = table[2:]
+    assert len(body) == 1 + len(PROMPTS) + len(PROMPTS) + 1
+    assert sum("train step, B=2 x 32" in line for line in body) == 1
+    assert sum(line.startswith("| prefill 1 x ") for line in body) == len(PROMPTS)
+    assert sum(line.startswith("| generate, B=") for line in body) == len(PROMPTS) + 1
+    assert all("x speed" in line for line in body)
+    # the crossover lines (batch 1 has two prompt lengths; batch 2 only one, so none for it)
+    assert "generate, B=1: Aaren default" in printed and "prefill, B=1: Aaren without window" in printed
+    assert "generate, B=2:" not in printed
+
+    report = json.loads(out.read_text())
+    assert set(report["models"]) == {"teacher", "aaren", "aaren_nowin"}
+    assert report["models"]["teacher"]["attn_implementation"] == "sdpa"
+    assert report["models"]["aaren"]["window_size"] > 0 and report["models"]["aaren_nowin"]["window_size"] == 0
+    assert report["models"]["aaren"]["num_query_slots"] == 4 and report["models"]["aaren"]["decay"] == "learned"
+    assert report["machine"]["device"] == "cpu" and report["machine"]["torch"]
+    works = [(r["work"], r["batch"], r["tokens"]) for r in report["rows"]]
+    assert works == [("train", 2, 32)] + [("prefill", 1, p) for p in PROMPTS] + \
+        [("generate", 1, p) for p in PROMPTS] + [("generate", 2, 24)]
+    for row in report["rows"]:
+        assert set(row["models"]) == {"teacher", "aaren", "aaren_nowin"}
+        for kind, m in row["models"].items():
+            assert m["median_s"] > 0 and m["min_s"] <= m["median_s"] <= m["max_s"], (row["work"], kind)
+            assert m["tokens_per_s"] > 0
+            assert m["n"] == (3 if row["work"] == "generate" else 2)
+            if m["peak_bytes"] is not None:  # None only where the kernel refuses the RSS high-water reset
+                assert m["peak_bytes"] >= 0.5 * report["models"][kind]["params"] * 4  # at least ~its float32 weights
+        for kind in ("aaren", "aaren_nowin"):
+            ratio = row["ratios"][kind]
+            assert math.isfinite(ratio["speed"]) and ratio["speed"] > 0
+            assert math.isclose(ratio["speed"], row["models"]["teacher"]["median_s"] / row["models"][kind]["median_s"])
+            assert ratio["memory"] is None or ratio["memory"] > 0
+    generate = [r for r in report["rows"] if r["work"] == "generate"]
+    for row in generate:
+        teacher_kv = row["models"]["teacher"]["cache_bytes"]
+        # K and V of prompt + decoded tokens: layers * 2 * kv_heads * head_dim * float32 per token and row
+        per_token = 2 * 2 * 2 * 16 * 4
+        assert teacher_kv == row["batch"] * per_token * (row["tokens"] + 3 + 3)  # 3 warm-up steps + 3 timed
+        assert row["models"]["aaren_nowin"]["cache_bytes"] > 0
+    # the no-window student's state does not grow with the prompt
+    nowin = {r["tokens"]: r["models"]["aaren_nowin"]["cache_bytes"] for r in generate if r["batch"] == 1}
+    assert len(set(nowin.values())) == 1
+    # --profile: operator counts of a decode step for each model, on the last generate row only
+    assert [("profile" in r) for r in generate] == [False] * (len(generate) - 1) + [True]
+    for kind, prof in generate[-1]["profile"].items():
+        assert prof["aten_calls_per_step"] > 0 and prof["top_self_cpu"], kind
+    assert "operator calls per step" in printed
+    cross = report["crossover"]["generate"]["aaren"]["1"]
+    assert cross["lengths"] == list(PROMPTS) and len(cross["speed_ratios"]) == len(PROMPTS)
+    assert isinstance(cross["measured"], bool)
+
+
+def test_bench_model_arguments():
+    bench = load_bench()
+    args = bench.parse_args(["--device", "cpu", "--train", "8x2k,1x32k", "--generate", "none", "--prompts", "1k"])
+    assert args.train == [(8, 2048), (1, 32768)] and args.generate == [] and args.prompts == [1024]
+    assert args.models == ["teacher", "aaren"] and args.dtype == "float32"  # the CPU defaults
+    args = bench.parse_args(["--device", "cuda", "--shape", "tiny"])
+    assert args.models == ["teacher", "aaren", "aaren_nowin"] and args.dtype == "bfloat16"
+    assert (32, 16384) in args.generate and (8, 2048) in args.train
