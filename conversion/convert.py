@@ -231,6 +231,10 @@ def check_positions(config, opts) -> None:
                               f"{limit} positions); pass --seq-len {limit} or less")
 
 
+def _os_reason(error: OSError) -> str:
+    return (error.strerror or str(error)) + (f" ({error.filename})" if error.filename else "")
+
+
 def _first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
@@ -419,7 +423,7 @@ def _prepare_work(opts: ConvertOptions, output: Path, work: Path, teacher_id: st
     except ts.LockHeld as error:
         raise ConversionError(str(error)) from None
     except OSError as error:
-        raise ConversionError(f"cannot write next to --output {output}: {error.strerror} ({error.filename}); choose "
+        raise ConversionError(f"cannot write next to --output {output}: {_os_reason(error)}; choose "
                               f"an --output in a folder you can write to") from None
     try:
         return lock, _prepare_run_file(opts, work, teacher_id)
@@ -454,6 +458,9 @@ def _prepare_run_file(opts: ConvertOptions, work: Path, teacher_id: str) -> bool
             )
         return False
     if work.exists():
+        if not run_file.is_file() and any(work.iterdir()):
+            raise ConversionError(f"{work} exists and is not an aaren-convert work folder (no {RUN_FILE}); move it "
+                                  f"away or choose another --output")
         if not opts.overwrite:
             raise ConversionError(
                 f"{work} holds an interrupted conversion; pass --resume to continue it, or --overwrite to start over"
@@ -462,7 +469,7 @@ def _prepare_run_file(opts: ConvertOptions, work: Path, teacher_id: str) -> bool
     try:
         work.mkdir(parents=True)
     except OSError as error:
-        raise ConversionError(f"cannot create the work folder {work}: {error.strerror}; choose an --output in a "
+        raise ConversionError(f"cannot create the work folder {work}: {_os_reason(error)}; choose an --output in a "
                               f"folder you can write to") from None
     ts.atomic_write_json(work / RUN_FILE, {"options": opts.fingerprint(), "inputs": _fingerprints(opts, teacher_id),
                                           "started": time.strftime("%Y-%m-%d %H:%M:%S")})
@@ -512,7 +519,9 @@ def _relative_options(opts: ConvertOptions, output: Path, teacher_id: str) -> di
 def _portable_places(output: Path, work: Path, opts: ConvertOptions, teacher_id: str) -> list[tuple[str, str]]:
     from .assets import cache_root
 
-    places = {str(output.parent): "..", str(Path.home()): "~"}
+    places = {str(output.parent): ".."}
+    if Path.home() != Path("/"):
+        places[str(Path.home())] = "~"
     typed = {str(Path(t).expanduser().resolve()): str(Path(t).expanduser().absolute())
              for t in (opts.teacher, *opts.data) if t}
     packaged = cache_root().resolve()
@@ -574,6 +583,7 @@ def convert(opts: ConvertOptions, accelerator=None) -> Optional[Path]:
     output = Path(opts.output or default_output_name(teacher_id)).expanduser().resolve()
     work = output.with_name(output.name + ".work")
     error, lock, created = None, None, False
+    existed = next(p for p in output.parents if p.exists())  # folders below it that this run makes go on failure
     if main:
         try:
             lock, created = _prepare_work(opts, output, work, teacher_id)
@@ -690,6 +700,11 @@ def convert(opts: ConvertOptions, accelerator=None) -> Optional[Path]:
         _close_logger(logger)
         if main and created and not training:  # a failed start: nothing to resume, so a corrected rerun may start
             shutil.rmtree(work, ignore_errors=True)
+            lock.release()
+            for folder in [output.parent, *output.parent.parents]:
+                if folder == existed or any(folder.iterdir()):
+                    break
+                folder.rmdir()
         raise
     finally:
         if lock is not None:
@@ -763,13 +778,9 @@ def _write_output(student, tokenizer, teacher, output: Path, work: Path, record:
     from .model_card import finish_folder, teacher_hub_info, write_model_card
 
     record, results = _portable(record, places), _portable(results, places)
+    tmp = None
     try:
         tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
-    except OSError as error:
-        raise ConversionError(f"cannot write the output next to {output}: {error.strerror}. The trained model is "
-                              f"kept in {work}: make room or fix the permissions, then rerun the same command with "
-                              f"--resume") from None
-    try:
         generation = copy.deepcopy(getattr(teacher, "generation_config", None))
         if generation is not None:
             student.generation_config = generation
@@ -799,13 +810,13 @@ def _write_output(student, tokenizer, teacher, output: Path, work: Path, record:
         ts.atomic_write_json(tmp / MARKER, {"written_by": "aaren-convert", "files": written})
         check_replaceable(output)  # again: files may have been put there while the conversion ran
         _publish_folder(tmp, output)
-    except OSError as error:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise ConversionError(f"cannot write the output {output}: {error.strerror} ({error.filename}). The trained "
-                              f"model is kept in {work}: make room or fix the permissions, then rerun the same "
-                              f"command with --resume") from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as error:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(error, OSError):
+            raise ConversionError(f"cannot write the output {output}: {_os_reason(error)}. The trained model is kept "
+                                  f"in {work}: make room or fix the permissions, then rerun the same command with "
+                                  f"--resume") from None
         raise
     say(f"saved {output}")
 

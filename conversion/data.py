@@ -360,17 +360,19 @@ def tokenize_documents(tokenizer, sources, *, text_field: str = "text", dataset_
     names = [name for _, name in unique]
 
     if use_cache:
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=folder))
+        tmp = None
         try:
+            folder.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=folder))
             np.save(tmp / "tokens.npy", tokens, allow_pickle=False)
             np.save(tmp / "offsets.npy", offsets, allow_pickle=False)
             (tmp / "meta.json").write_text(json.dumps({"key": key_data, "documents": names}) + "\n")
             if entry.exists():
                 shutil.rmtree(entry, ignore_errors=True)
             os.replace(tmp, entry)
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)  # another process won the race, or the disk is full: no cache
+        except OSError:  # another process won the race, the disk is full or the cache is read-only: no cache
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
     return tokens, offsets, names
 
 

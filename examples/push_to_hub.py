@@ -280,12 +280,6 @@ def main(argv=None):
     if problems:
         raise SystemExit(f"error: {folder} is not ready to upload:\n" + "\n".join(f"  - {p}" for p in problems))
     rewritten = with_base_model(folder, args.base_model) if args.base_model else {}
-    if rewritten and not args.dry_run:
-        from aaren_hf.conversion.train_state import atomic_write
-
-        for name, text in rewritten.items():
-            atomic_write(folder / name, lambda tmp, text=text: Path(tmp).write_text(text, encoding="utf-8"))
-            print(f"{name}: base_model set to {args.base_model}")
     files = upload_files(folder)
     sizes = {f: (folder / f).stat().st_size for f in files}
 
@@ -307,6 +301,13 @@ def main(argv=None):
     token = args.token or get_token()
     if not token:
         raise SystemExit(NO_TOKEN_MESSAGE)
+    if rewritten:
+        from aaren_hf.conversion.train_state import atomic_write
+
+        for name, text in rewritten.items():
+            atomic_write(folder / name, lambda tmp, text=text: Path(tmp).write_text(text, encoding="utf-8"))
+            print(f"{name}: base_model set to {args.base_model}")
+        sizes = {f: (folder / f).stat().st_size for f in files}
     api = HfApi(token=token)
     url = api.create_repo(repo_id, private=not args.public, exist_ok=True, repo_type="model")
     print(f"repo: {url}", flush=True)

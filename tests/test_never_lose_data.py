@@ -19,21 +19,10 @@ import torch
 
 import aaren_hf  # noqa: F401  (before transformers: see tests/helpers.py)
 from helpers import one_thread  # noqa: F401  (autouse fixture)
-from test_conversion import cli_args, make_corpus, make_tiny_teacher, make_tokenizer, run_cli, tiny_options
+from test_conversion import cli_args, make_tiny_teacher, make_tokenizer, run_cli, tiny  # noqa: F401  (fixture)
+from test_conversion import tiny_options
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("never-lose")
-    old = os.environ.get("AAREN_HF_CACHE")
-    os.environ["AAREN_HF_CACHE"] = str(root / "cache")
-    yield make_tiny_teacher(root / "teacher"), make_corpus(root / "data")
-    if old is None:
-        os.environ.pop("AAREN_HF_CACHE", None)
-    else:
-        os.environ["AAREN_HF_CACHE"] = old
 
 
 @pytest.fixture
@@ -139,6 +128,8 @@ def test_failed_start_leaves_nothing_and_a_corrected_rerun_starts(tiny, tmp_path
     bert = tmp_path / "bert"
     BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                intermediate_size=64).save_pretrained(bert)
+    expect_one_line_error(cli_args(bert, data, tmp_path / "new" / "deep" / "out"), capsys, "not supported")
+    assert not (tmp_path / "new").exists()
     output = tmp_path / "out"
     expect_one_line_error(cli_args(bert, data, output), capsys, "not supported")
     assert leftovers(output) == []
@@ -302,6 +293,25 @@ def test_expected_failures_are_one_line_and_leave_nothing(mine, tmp_path, capsys
         assert leftovers(output) == []
 
 
+def test_output_that_cannot_be_written_after_training_keeps_the_work(tiny, tmp_path, monkeypatch):
+    from aaren_hf.conversion import convert as convert_module
+
+    teacher, data = tiny
+    output = tmp_path / "out"
+    opts = tiny_options(teacher, data, output, stage1={"steps": 1}, stage2={"steps": 1})
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(convert_module, "_publish_folder", disk_full)
+        with pytest.raises(convert_module.ConversionError, match=r"No space left on device\. The trained model is kept"):
+            convert_module.convert(opts)
+    assert leftovers(output) == ["out.work"]  # no lock, no half output
+    opts.resume = True
+    assert convert_module.convert(opts) == output and leftovers(output) == ["out"]
+
+
 def test_debug_shows_the_traceback_and_unexpected_errors_keep_it(tiny, tmp_path, capsys, monkeypatch):
     from aaren_hf.conversion import convert as convert_module
     from aaren_hf.conversion.cli import main
@@ -420,6 +430,19 @@ def test_push_base_model_flag_or_hint(model_folder, capsys):
     push.main([str(model_folder), "--dry-run", "--base-model", "you/tiny-aaren"])
     assert "base_model: you/tiny-aaren" in capsys.readouterr().out
     assert card.read_text() == before  # a dry run changes nothing
+
+
+def test_finetune_card_names_the_converted_model_not_its_teacher(model_folder, tmp_path):
+    from test_examples import load_example
+
+    ft = load_example("finetune_lora")
+    info = dict(targets="mlp.up_proj", rank=4, data="docs.jsonl", steps=3, seq_len=32, eval_blocks=2,
+                ppl_before=9.0, ppl_after=8.0)
+    merged = tmp_path / "run" / "merged"
+    merged.mkdir(parents=True)
+    ft.write_card(model_folder, merged, info, base_model_id="you/tiny-aaren")
+    card = (merged / "README.md").read_text()
+    assert "base_model: you/tiny-aaren" in card and "SmolLM2" not in card and str(tmp_path) not in card
 
 
 # ----------------------------------------------------------------------------------------------------------------
