@@ -328,10 +328,10 @@ def run_eval(argv: list[str]) -> int:
     teacher, recipe = args.teacher, None
     if teacher is None and record:
         # conversion.json names a local teacher relative to the model folder, the packaged one through its recipe
-        relative = record.get("teacher_path")
+        relative = recorded.get("teacher")
         if relative and (model_dir / relative).is_dir():
             teacher = str(model_dir / relative)
-        elif recorded.get("teacher") is None and recorded.get("recipe"):
+        elif relative is None and recorded.get("recipe"):
             recipe = recorded["recipe"]
         else:
             teacher = record.get("teacher")

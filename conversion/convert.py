@@ -502,16 +502,18 @@ def _portable(value, places: list[tuple[str, str]]):
     return value
 
 
-def _relative_options(opts: ConvertOptions, output: Path, teacher_id: str) -> dict:
+def _relative_options(opts: ConvertOptions, places: list[tuple[str, str]]) -> dict:
     """The options as saved with the model: local teacher and data paths relative to the output folder (what
     `aaren-convert eval` reads back), whatever folder the conversion was started from."""
     from .data import _source_kind
 
+    def portable(given: str) -> str:
+        return _portable(str(Path(given).expanduser().resolve()), places)
+
     options = opts.to_json()
-    if opts.teacher and Path(teacher_id).is_dir():
-        options["teacher"] = os.path.relpath(teacher_id, output)
-    options["data"] = [os.path.relpath(Path(d).expanduser().resolve(), output) if _source_kind(d) == "path" else d
-                       for d in opts.data]
+    if opts.teacher and Path(opts.teacher).expanduser().is_dir():
+        options["teacher"] = portable(opts.teacher)
+    options["data"] = [portable(d) if _source_kind(d) == "path" else d for d in opts.data]
     options["output"] = "."
     return options
 
@@ -676,10 +678,10 @@ def convert(opts: ConvertOptions, accelerator=None) -> Optional[Path]:
 
         # --- output ---------------------------------------------------------------------------------------------
         places = _portable_places(output, work, opts, teacher_id)
+        options = _relative_options(opts, places)
         record = {
             "teacher": _teacher_name(teacher_id),
-            "teacher_path": _portable(teacher_id, places) if Path(teacher_id).is_dir() else None,
-            "options": _relative_options(opts, output, teacher_id),
+            "options": options,
             "data": data_info,
             "init": init_report,
             "stage1": stage1_summary,

@@ -423,7 +423,8 @@ def main(argv=None):
         atomic_write_json(adapter_dir / "adapter_config.json", adapter_config)
     finish_folder(merged_dir, type(tokenizer).__name__)
     finish_folder(adapter_dir)
-    log(f"merged model: {merged_dir} (upload with: python examples/push_to_hub.py {merged_dir} --dry-run)")
+    base_flag = "" if args.base_model_id else " --base-model OWNER/NAME-OF-THE-CONVERTED-MODEL"
+    log(f"merged model: {merged_dir} (upload with: python examples/push_to_hub.py {merged_dir}{base_flag} --dry-run)")
     return {"ppl_before": ppl_before, "ppl_after": ppl_after, "merge_diff": diff, "adapter_dir": str(adapter_dir),
             "merged_dir": str(merged_dir), "targets": targets}
 

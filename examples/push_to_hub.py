@@ -3,7 +3,7 @@
 
     python examples/push_to_hub.py outputs/SmolLM2-135M-Instruct-aaren --dry-run     # check, list files and card
     python examples/push_to_hub.py outputs/SmolLM2-135M-Instruct-aaren                # private repo <you>/<folder>
-    python examples/push_to_hub.py outputs/x-lora/merged --repo-id you/x-python --public
+    python examples/push_to_hub.py outputs/x-lora/merged --repo-id you/x-python --base-model you/x-aaren --public
 
     python examples/push_to_hub.py outputs/x-lora/adapter --base-model you/x-aaren   # a LoRA adapter folder
 

@@ -361,7 +361,7 @@ def test_output_is_portable_and_its_tokenizer_needs_no_custom_code(mine, tmp_pat
         text = (output / name).read_text()
         assert str(tmp_path) not in text and str(Path.home()) + "/" not in text, name
     record = json.loads((output / "conversion.json").read_text())
-    assert record["teacher"] == "teacher" and record["teacher_path"] == "../teacher"
+    assert record["teacher"] == "teacher" and record["options"]["teacher"] == "../teacher"
     assert record["options"]["data"] == ["../data"]
     card = (output / "README.md").read_text()
     assert "max_length=4096" in card  # lm-eval: the teacher's context, not 2**20
