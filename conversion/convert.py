@@ -199,11 +199,12 @@ def check_teacher_type(teacher: str) -> object:
 
     try:
         config = AutoConfig.from_pretrained(teacher, trust_remote_code=False)
-    except (OSError, ValueError) as error:
-        raise ConversionError(
-            f"cannot load the teacher's config from {teacher!r}: {_first_line(error)}. Without access to the Hugging "
-            f"Face hub, pass a local folder, or leave --teacher out for the packaged SmolLM2-135M-Instruct."
-        ) from error
+    except (OSError, ValueError) as error:  # not found, malformed config.json, or a model_type transformers lacks
+        advice = (f"Check its config.json; supported teacher types: {', '.join(SUPPORTED_TEACHERS)}"
+                  if Path(teacher).is_dir() else "Without access to the Hugging Face hub, pass a local folder, or "
+                  "leave --teacher out for the packaged SmolLM2-135M-Instruct")
+        raise ConversionError(f"cannot load the teacher's config from {teacher!r}: {_first_line(error)}. {advice}") \
+            from error
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_TEACHERS:
         raise ConversionError(
@@ -236,7 +237,7 @@ def _os_reason(error: OSError) -> str:
 
 
 def _first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return (str(error).strip().splitlines() or [type(error).__name__])[0].rstrip(".")
 
 
 def load_teacher(teacher: str, dtype=torch.float32, device="cpu"):
