@@ -145,7 +145,13 @@ class AarenConfig(PreTrainedConfig):
         self.chunk_size = chunk_size
         self.initializer_range = initializer_range
         self.use_cache = use_cache
-        if not isinstance(aaren_format_version, int) or aaren_format_version > AAREN_FORMAT_VERSION:
+        if not isinstance(aaren_format_version, int) or isinstance(aaren_format_version, bool):
+            raise ValueError(
+                f"config.json has aaren_format_version {aaren_format_version!r}, which is not a whole number: the file "
+                f"was edited or damaged. Set it to the integer the checkpoint was written with ({AAREN_FORMAT_VERSION} "
+                "for this aaren-hf), or save the model again."
+            )
+        if aaren_format_version > AAREN_FORMAT_VERSION:
             raise ValueError(
                 f"This checkpoint was written by a newer aaren-hf (checkpoint format {aaren_format_version!r}; this code "
                 f"reads format <= {AAREN_FORMAT_VERSION}). Upgrade with `pip install -U aaren-hf`, or load it with "

@@ -712,6 +712,8 @@ class AarenModel(AarenPreTrainedModel):
     ):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
+        if (input_ids.shape[-1] if inputs_embeds is None else inputs_embeds.shape[-2]) == 0:
+            raise ValueError("The input is empty (0 tokens): give at least one token, e.g. the tokenizer's BOS token")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         B, T = inputs_embeds.shape[:2]

@@ -109,7 +109,9 @@ def convert_parser() -> argparse.ArgumentParser:
     g.add_argument("--output", metavar="DIR", help="output folder (default: ./<teacher name>-aaren); work files go "
                                                    "to DIR.work/ while running")
     g.add_argument("--resume", action="store_true", help="continue an interrupted conversion from DIR.work/")
-    g.add_argument("--overwrite", action="store_true", help="replace an existing output folder / interrupted run")
+    g.add_argument("--overwrite", action="store_true",
+                   help="replace an existing output folder (only an empty one or an earlier aaren-convert output) or "
+                        "an interrupted run")
     g.add_argument("--keep-work", action="store_true", help="keep DIR.work/ (checkpoints) after success")
 
     g = p.add_argument_group("data")
@@ -176,6 +178,7 @@ def convert_parser() -> argparse.ArgumentParser:
     g.add_argument("--cpu", action="store_true", help="run on the CPU even if a GPU is visible")
     g.add_argument("--threads", type=_int(1, 4096), metavar="N",
                    help="CPU threads per process (torch.set_num_threads); on a busy shared machine 1 can be faster")
+    g.add_argument("--debug", action="store_true", help="show the traceback of expected errors too")
     return p
 
 
@@ -199,6 +202,7 @@ def eval_parser() -> argparse.ArgumentParser:
     p.add_argument("--recall-trials", type=_int(1), metavar="N", help="passkey trials per distance")
     p.add_argument("--recall-distances", type=_distances, metavar="D,D,...", help="passkey distances in tokens")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    p.add_argument("--debug", action="store_true", help="show the traceback of expected errors too")
     return p
 
 
@@ -296,8 +300,6 @@ def validate_options(opts, parser) -> None:
         out = Path(opts.output).expanduser()
         if out.exists() and not out.is_dir():
             parser.error(f"--output {opts.output!r} exists and is not a folder")
-        if out.exists() and not opts.overwrite and not opts.resume:
-            parser.error(f"--output {opts.output!r} already exists; choose another folder or pass --overwrite")
 
 
 def run_convert(argv: list[str]) -> int:
@@ -337,13 +339,22 @@ def run_eval(argv: list[str]) -> int:
     if (model_dir / "conversion.json").is_file():
         record = json.loads((model_dir / "conversion.json").read_text())
     recorded = record.get("options", {})
-    teacher = args.teacher or record.get("teacher")
-    if teacher is None:
-        parser.error("--teacher is needed: the model folder has no conversion.json naming its teacher")
     from .convert import ConversionError, load_teacher, resolve_teacher
 
+    teacher, recipe = args.teacher, None
+    if teacher is None and record:
+        # conversion.json names a local teacher relative to the model folder, the packaged one through its recipe
+        relative = recorded.get("teacher")
+        if relative and (model_dir / relative).is_dir():
+            teacher = str(model_dir / relative)
+        elif relative is None and recorded.get("recipe"):
+            recipe = recorded["recipe"]
+        else:
+            teacher = record.get("teacher")
+    if teacher is None and recipe is None:
+        parser.error("--teacher is needed: the model folder has no conversion.json naming its teacher")
     try:
-        teacher = resolve_teacher(teacher)
+        teacher = resolve_teacher(teacher, recipe)
     except ConversionError as error:
         parser.error(str(error))
     from transformers.utils import logging as hf_logging
@@ -360,7 +371,7 @@ def run_eval(argv: list[str]) -> int:
 
     tokenizer, teacher_model = load_teacher(teacher)
     student = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    data = args.data or recorded.get("data") or ["python-docs"]
+    data = args.data or [_from_model_dir(model_dir, d) for d in recorded.get("data") or ["python-docs"]]
     seq_len = args.seq_len or recorded.get("seq_len") or 512
     heldout = args.heldout_windows or recorded.get("eval_windows") or recorded.get("heldout_windows") or 16
     seed = args.seed if args.seed is not None else recorded.get("seed", 0)
@@ -380,6 +391,12 @@ def run_eval(argv: list[str]) -> int:
 
         atomic_write_json(args.json, results)
     return 0
+
+
+def _from_model_dir(model_dir: Path, source: str) -> str:
+    """A data source recorded relative to the model folder (conversion.json), as a path usable from here."""
+    candidate = model_dir / source
+    return str(candidate) if not Path(source).is_absolute() and candidate.exists() else source
 
 
 def run_recipes(argv: list[str]) -> int:
@@ -421,20 +438,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("\ninterrupted; continue later with the same command and --resume", file=sys.stderr)
         return 130
     except Exception as error:  # expected failures get one clear line, not a traceback
-        from .convert import ConversionError
+        from .convert import expected_errors
 
-        known = [ConversionError]
-        try:
-            from .assets import AssetError
-            from .data import DataSourceError
-
-            known += [AssetError, DataSourceError]
-        except ImportError:
-            pass
-        if isinstance(error, tuple(known)):
-            print(f"aaren-convert: error: {error}", file=sys.stderr)
-            return 1
-        raise
+        if not isinstance(error, expected_errors()) or "--debug" in argv:
+            raise
+        print(f"aaren-convert: error: {str(error).replace(chr(10), ' ')}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -14,7 +14,13 @@ Steps (each resumable with ``resume=True`` after an interruption, even a kill -9
    ``conversion.log``.
 
 Work files (checkpoints, the log while running, captured activations when they do not fit in memory) live in
-``<output>.work/`` and are removed after success unless ``keep_work``.
+``<output>.work/`` and are removed after success unless ``keep_work``, or after a failure before training started
+(nothing to resume). ``<output>.lock`` (the owner's pid) keeps a second run off the same output while one runs.
+
+Nothing of the user's is replaced: ``overwrite`` replaces only an empty folder or one this tool wrote (it holds
+``MARKER``, listing what was written, and nothing else), never the current or home folder or a folder holding the
+teacher or the data; the old output stays until the new one is complete. The saved JSON, log and model card name
+the teacher and the data by paths relative to the output folder, not by this machine's absolute paths.
 
 Processes: ``Accelerator()`` decides: one CPU process, one GPU, or many under ``accelerate launch`` / ``torchrun``
 (on CPUs, ``torchrun --nproc_per_node N -m aaren_hf.conversion.cli ...`` gives N gloo processes).
@@ -25,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -45,6 +52,7 @@ __all__ = ["ConvertOptions", "ConversionError", "convert", "default_output_name"
 
 LOGGER_NAME = "aaren_hf.conversion"
 RUN_FILE = "run.json"
+MARKER = ".aaren-convert.json"  # in every output folder: what aaren-convert wrote there (--overwrite checks it)
 # options that may differ between a run and its resumption
 NOT_FINGERPRINTED = {"resume", "overwrite", "keep_work", "progress", "output", "eval", "eval_quick",
                      "eval_windows", "recall_trials", "recall_distances", "cpu"}
@@ -52,6 +60,14 @@ NOT_FINGERPRINTED = {"resume", "overwrite", "keep_work", "progress", "output", "
 
 class ConversionError(RuntimeError):
     """A conversion cannot start or continue; the message says what to do."""
+
+
+def expected_errors() -> tuple:
+    """Errors that mean "fix the input": reported as one line (aaren-convert's --debug shows the traceback)."""
+    from .assets import AssetError
+    from .data import DataSourceError
+
+    return ConversionError, DataSourceError, AssetError
 
 
 @dataclass
@@ -182,12 +198,13 @@ def check_teacher_type(teacher: str) -> object:
     from .adapters import SUPPORTED_TEACHERS
 
     try:
-        config = AutoConfig.from_pretrained(teacher)
-    except OSError as error:
-        raise ConversionError(
-            f"cannot load the teacher's config from {teacher!r}: {error}\nWithout access to the Hugging Face hub, "
-            f"pass a local folder, or leave --teacher out for the packaged SmolLM2-135M-Instruct."
-        ) from error
+        config = AutoConfig.from_pretrained(teacher, trust_remote_code=False)
+    except (OSError, ValueError) as error:  # not found, malformed config.json, or a model_type transformers lacks
+        advice = (f"Check its config.json; supported teacher types: {', '.join(SUPPORTED_TEACHERS)}"
+                  if Path(teacher).is_dir() else "Without access to the Hugging Face hub, pass a local folder, or "
+                  "leave --teacher out for the packaged SmolLM2-135M-Instruct")
+        raise ConversionError(f"cannot load the teacher's config from {teacher!r}: {_first_line(error)}. {advice}") \
+            from error
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_TEACHERS:
         raise ConversionError(
@@ -197,11 +214,50 @@ def check_teacher_type(teacher: str) -> object:
     return config
 
 
+def check_positions(config, opts) -> None:
+    """A student with a learned position table (GPT-2) cannot see windows longer than it: refuse before any data
+    is read, not with an IndexError after it."""
+    from .adapters import aaren_config_from_teacher
+
+    try:
+        student = aaren_config_from_teacher(config, **opts.mixer)
+    except ValueError as error:
+        raise ConversionError(f"teacher {config.model_type!r} cannot be converted with these options: {error}") \
+            from error
+    if student.position_embedding_type != "learned":
+        return
+    limit = student.max_position_embeddings
+    if opts.seq_len > limit:  # stage 2 and the evaluation crop to seq_len, never beyond
+        raise ConversionError(f"--seq-len {opts.seq_len} exceeds the teacher's position table ({config.model_type}: "
+                              f"{limit} positions); pass --seq-len {limit} or less")
+
+
+def _os_reason(error: OSError) -> str:
+    return (error.strerror or str(error)) + (f" ({error.filename})" if error.filename else "")
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0].rstrip(".")
+
+
 def load_teacher(teacher: str, dtype=torch.float32, device="cpu"):
+    """Tokenizer and model of the teacher; never runs code shipped with the teacher (``trust_remote_code=False``).
+    Unreadable files (missing, truncated, not a model) raise ConversionError naming the folder."""
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(teacher)
-    model = AutoModelForCausalLM.from_pretrained(teacher, dtype=dtype, attn_implementation="sdpa")
+    what = "tokenizer"
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(teacher, trust_remote_code=False)
+        what = "weights"
+        model = AutoModelForCausalLM.from_pretrained(teacher, dtype=dtype, attn_implementation="sdpa",
+                                                     trust_remote_code=False)
+    except (OSError, SafetensorError, ValueError) as error:
+        raise ConversionError(
+            f"cannot load the teacher's {what} from {teacher}: {type(error).__name__}: {_first_line(error)}. Check "
+            f"that the folder holds complete files (a download or copy may have been cut short; compare sizes with "
+            f"the source) or download it again"
+        ) from error
     model.to(device).eval()
     for p in model.parameters():
         p.requires_grad_(False)
@@ -262,8 +318,122 @@ def _close_logger(logger: logging.Logger) -> None:
         logger.removeHandler(handler)
 
 
-def _prepare_work(opts: ConvertOptions, output: Path, work: Path) -> None:
-    """Main process: check the output and work folders against overwrite/resume, write run.json."""
+def _local_paths(opts: ConvertOptions, teacher_id: str) -> list[tuple[str, Path]]:
+    """(what, resolved path) of the local teacher folder and data files/folders of this run."""
+    from .data import _source_kind
+
+    paths = []
+    if Path(teacher_id).is_dir():
+        paths.append(("the teacher folder", Path(teacher_id).resolve()))
+    for source in opts.data:
+        if _source_kind(source) == "path":
+            paths.append(("the data", Path(source).expanduser().resolve()))
+    return paths
+
+
+def _within(inner: Path, outer: Path) -> bool:
+    return inner == outer or outer in inner.parents
+
+
+def check_output_location(output: Path, work: Path, opts: ConvertOptions, teacher_id: str) -> None:
+    """Refuse an output (or its work folder) that is, holds or sits inside the current folder, the home folder,
+    the teacher or the data: replacing it would delete them, and writing inside the teacher or the data mixes the
+    student's files into them (a data folder would feed the next run its own model card)."""
+    for name, place in (("the current folder", Path.cwd().resolve()), ("your home folder", Path.home().resolve())):
+        if _within(place, output):
+            raise ConversionError(f"--output {output} is {name} or contains it; aaren-convert writes a new folder "
+                                  f"and may replace it: give a new folder name, e.g. --output ./{output.name}-aaren")
+    for what, path in _local_paths(opts, teacher_id):
+        for folder in (output, work):
+            if _within(path, folder) or _within(folder, path):
+                relation = "is or contains" if _within(path, folder) else "is inside"
+                name = f"--output {output}" if folder == output else f"the work folder {folder} of --output {output}"
+                raise ConversionError(
+                    f"{name} {relation} {what} ({path}); the conversion would write over or into it. Choose an "
+                    f"--output outside it, e.g. --output {path.parent / (path.name + '-aaren')}"
+                )
+
+
+def _unlisted_files(output: Path) -> list[str]:
+    """Files in an existing output folder that aaren-convert did not write (all of them without a marker)."""
+    present = sorted(p.relative_to(output).as_posix() for p in output.rglob("*") if not p.is_dir())
+    try:
+        written = set(json.loads((output / MARKER).read_text())["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return present
+    return [f for f in present if f != MARKER and f not in written]
+
+
+def check_replaceable(output: Path) -> None:
+    """An existing output may be replaced only when it is empty or holds nothing but what aaren-convert wrote."""
+    if not output.exists():
+        return
+    if not output.is_dir():
+        raise ConversionError(f"--output {output} exists and is not a folder; choose another --output")
+    foreign = _unlisted_files(output)
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise ConversionError(
+            f"--overwrite: {output} holds files aaren-convert did not write ({shown}), so it is not replaced. "
+            f"--overwrite replaces only an empty folder or an earlier aaren-convert output: choose another --output, "
+            f"or move those files away (delete the folder yourself if it is an output of an older aaren-convert)"
+        )
+
+
+def _teacher_fingerprint(teacher_id: str) -> dict:
+    folder = Path(teacher_id)
+    if not folder.is_dir():
+        return {"hub": teacher_id}  # a hub revision is not fingerprinted: the cache holds one snapshot per name
+    files = sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith(".")
+                   and p.suffix.lower() != ".md")
+    return {p.name: ts.file_fingerprint(p) for p in files}
+
+
+def _fingerprints(opts: ConvertOptions, teacher_id: str) -> dict:
+    from .data import source_fingerprints
+
+    return {"teacher": _teacher_fingerprint(teacher_id), "data": source_fingerprints(list(opts.data))}
+
+
+def _changed_inputs(before: dict, now: dict) -> list[str]:
+    changes = []
+    old_t, new_t = before.get("teacher", {}), now["teacher"]
+    for name in sorted(set(old_t) | set(new_t)):
+        if old_t.get(name) != new_t.get(name):
+            state = "added" if name not in old_t else "removed" if name not in new_t else "content differs"
+            changes.append(f"teacher {name}: {state}")
+    if before.get("data") != json.loads(json.dumps(now["data"])):
+        old_files = {f[0]: f[1:] for src in before.get("data", []) for f in src.get("files", [])}
+        new_files = {f[0]: f[1:] for src in now["data"] for f in src.get("files", [])}
+        names = sorted(n for n in set(old_files) | set(new_files) if old_files.get(n) != list(new_files.get(n, [])))
+        changes.append("data: " + (", ".join(names[:5]) if names else "the sources") + " changed")
+    return changes
+
+
+def _prepare_work(opts: ConvertOptions, output: Path, work: Path, teacher_id: str) -> tuple[ts.RunLock, bool]:
+    """Main process: check the output and work folders against overwrite/resume, take the lock, write run.json.
+    Returns the lock (held) and whether this run created the work folder."""
+    check_output_location(output, work, opts, teacher_id)
+    if output.exists() and not opts.overwrite and not opts.resume:
+        raise ConversionError(f"output folder {output} already exists; choose another --output or pass --overwrite")
+    if opts.overwrite or opts.resume:
+        check_replaceable(output)
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        lock = ts.RunLock(output.with_name(output.name + ".lock")).acquire()
+    except ts.LockHeld as error:
+        raise ConversionError(str(error)) from None
+    except OSError as error:
+        raise ConversionError(f"cannot write next to --output {output}: {_os_reason(error)}; choose "
+                              f"an --output in a folder you can write to") from None
+    try:
+        return lock, _prepare_run_file(opts, work, teacher_id)
+    except BaseException:
+        lock.release()
+        raise
+
+
+def _prepare_run_file(opts: ConvertOptions, work: Path, teacher_id: str) -> bool:
     run_file = work / RUN_FILE
     if opts.resume:
         if not run_file.is_file():
@@ -279,17 +449,32 @@ def _prepare_work(opts: ConvertOptions, output: Path, work: Path) -> None:
                 f"--resume: the options differ from the interrupted run in {work} ({details}). Resume with the same "
                 f"options, or start over with --overwrite."
             )
-        return
-    if output.exists() and not opts.overwrite:
-        raise ConversionError(f"output folder {output} already exists; choose another --output or pass --overwrite")
+        # a run.json written before fingerprints were recorded has no "inputs": nothing to compare
+        changed = _changed_inputs(previous["inputs"], _fingerprints(opts, teacher_id)) if "inputs" in previous else []
+        if changed:
+            raise ConversionError(
+                f"--resume: the files behind the same options changed since the interrupted run in {work} "
+                f"({'; '.join(changed[:6])}); resuming would mix the old and new ones. Put the original files back, "
+                f"or start over with --overwrite."
+            )
+        return False
     if work.exists():
+        if not run_file.is_file() and any(work.iterdir()):
+            raise ConversionError(f"{work} exists and is not an aaren-convert work folder (no {RUN_FILE}); move it "
+                                  f"away or choose another --output")
         if not opts.overwrite:
             raise ConversionError(
                 f"{work} holds an interrupted conversion; pass --resume to continue it, or --overwrite to start over"
             )
-        shutil.rmtree(work)
-    work.mkdir(parents=True)
-    ts.atomic_write_json(run_file, {"options": opts.fingerprint(), "started": time.strftime("%Y-%m-%d %H:%M:%S")})
+        shutil.rmtree(work)  # safe: the lock says no live run uses it
+    try:
+        work.mkdir(parents=True)
+    except OSError as error:
+        raise ConversionError(f"cannot create the work folder {work}: {_os_reason(error)}; choose an --output in a "
+                              f"folder you can write to") from None
+    ts.atomic_write_json(work / RUN_FILE, {"options": opts.fingerprint(), "inputs": _fingerprints(opts, teacher_id),
+                                          "started": time.strftime("%Y-%m-%d %H:%M:%S")})
+    return True
 
 
 def _publish_folder(tmp: Path, final: Path) -> None:
@@ -301,6 +486,54 @@ def _publish_folder(tmp: Path, final: Path) -> None:
     os.replace(tmp, final)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _portable(value, places: list[tuple[str, str]]):
+    """``value`` (str, or dicts/lists of them) with this machine's absolute paths replaced by paths relative to the
+    output folder (``places``: longest first), so the saved JSON, log and card can be published."""
+    if isinstance(value, str):
+        for absolute, relative in places:
+            # a whole path component only: /a/out must not turn /a/out2 into .2
+            value = re.sub(re.escape(absolute) + r"(?![\w.-])", lambda _: relative, value)
+        return value
+    if isinstance(value, dict):
+        return {k: _portable(v, places) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_portable(v, places) for v in value]
+    return value
+
+
+def _relative_options(opts: ConvertOptions, places: list[tuple[str, str]]) -> dict:
+    """The options as saved with the model: local teacher and data paths relative to the output folder (what
+    `aaren-convert eval` reads back), whatever folder the conversion was started from."""
+    from .data import _source_kind
+
+    def portable(given: str) -> str:
+        return _portable(str(Path(given).expanduser().resolve()), places)
+
+    options = opts.to_json()
+    if opts.teacher and Path(opts.teacher).expanduser().is_dir():
+        options["teacher"] = portable(opts.teacher)
+    options["data"] = [portable(d) if _source_kind(d) == "path" else d for d in opts.data]
+    options["output"] = "."
+    return options
+
+
+def _portable_places(output: Path, work: Path, opts: ConvertOptions, teacher_id: str) -> list[tuple[str, str]]:
+    from .assets import cache_root
+
+    places = {str(output.parent): ".."}
+    if Path.home() != Path("/"):
+        places[str(Path.home())] = "~"
+    typed = {str(Path(t).expanduser().resolve()): str(Path(t).expanduser().absolute())
+             for t in (opts.teacher, *opts.data) if t}
+    packaged = cache_root().resolve()
+    for _, path in _local_paths(opts, teacher_id):
+        # the packaged teacher lives in this user's cache: its name says more, and reveals nothing
+        relative = path.name if packaged in path.parents else os.path.relpath(path, output)
+        places[str(path)] = places[typed.get(str(path), str(path))] = relative
+    places.update({str(work): f"{output.name}.work", str(output): "."})
+    return sorted(places.items(), key=lambda item: -len(item[0]))
 
 
 def _broadcast_parameters(module, names: list[str], src: int = 0) -> None:
@@ -352,10 +585,11 @@ def convert(opts: ConvertOptions, accelerator=None) -> Optional[Path]:
     teacher_id = _share_string(teacher_id, accelerator)
     output = Path(opts.output or default_output_name(teacher_id)).expanduser().resolve()
     work = output.with_name(output.name + ".work")
-    error = None
+    error, lock, created = None, None, False
+    existed = next(p for p in output.parents if p.exists())  # folders below it that this run makes go on failure
     if main:
         try:
-            _prepare_work(opts, output, work)
+            lock, created = _prepare_work(opts, output, work, teacher_id)
         except ConversionError as exc:
             error = str(exc)
     error = _share_string(error, accelerator)
@@ -363,6 +597,7 @@ def convert(opts: ConvertOptions, accelerator=None) -> Optional[Path]:
         raise ConversionError(error)
     logger = _setup_logger(work, main, rank)
     say = logger.info
+    training = False  # from here on the work folder holds what a --resume continues from
 
     def progress(total, desc, initial=0):
         return ts.Progress(total, desc, enabled=main and opts.progress, initial=initial)
@@ -370,7 +605,7 @@ def convert(opts: ConvertOptions, accelerator=None) -> Optional[Path]:
     try:
         say(f"aaren-convert: teacher {teacher_id} -> {output} ({world} process(es), device {accelerator.device})")
         say(f"options: {json.dumps(opts.fingerprint(), default=str)}")
-        check_teacher_type(teacher_id)
+        check_positions(check_teacher_type(teacher_id), opts)
         set_seed(opts.seed)
         device = _device_of(accelerator)
         t0 = time.time()
@@ -388,6 +623,7 @@ def convert(opts: ConvertOptions, accelerator=None) -> Optional[Path]:
             f"{sum(p.numel() for p in student.parameters()) / 1e6:.1f}M parameters")
 
         # --- initialisation -------------------------------------------------------------------------------------
+        training = True
         from .init import initialize_student, new_parameter_names
 
         init_file, init_json = work / "init.safetensors", work / "init.json"
@@ -442,9 +678,11 @@ def convert(opts: ConvertOptions, accelerator=None) -> Optional[Path]:
             results = run_evaluation(student, teacher, tokenizer, heldout, opts, data_info, say)
 
         # --- output ---------------------------------------------------------------------------------------------
+        places = _portable_places(output, work, opts, teacher_id)
+        options = _relative_options(opts, places)
         record = {
-            "teacher": teacher_id,
-            "options": opts.to_json(),
+            "teacher": _teacher_name(teacher_id),
+            "options": options,
             "data": data_info,
             "init": init_report,
             "stage1": stage1_summary,
@@ -453,16 +691,27 @@ def convert(opts: ConvertOptions, accelerator=None) -> Optional[Path]:
             "processes": world,
             "torch": torch.__version__,
         }
-        _write_output(student, tokenizer, teacher, output, work, record, results, opts, say)
+        _write_output(student, tokenizer, teacher, output, work, record, results, opts, say, teacher_id, places)
         say(f"done in {time.time() - started:.0f} s: {output}")
         _close_logger(logger)
         if not opts.keep_work:
             shutil.rmtree(work, ignore_errors=True)
         return output
-    except BaseException:
-        logger.exception("conversion failed") if main else None
+    except BaseException as exc:
+        if main and not isinstance(exc, expected_errors()):  # expected ones: the caller prints the one line
+            logger.exception("conversion failed")
         _close_logger(logger)
+        if main and created and not training:  # a failed start: nothing to resume, so a corrected rerun may start
+            shutil.rmtree(work, ignore_errors=True)
+            lock.release()
+            for folder in [output.parent, *output.parent.parents]:
+                if folder == existed or any(folder.iterdir()):
+                    break
+                folder.rmdir()
         raise
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def _strip_history(summary: Optional[dict]) -> Optional[dict]:
@@ -519,13 +768,22 @@ def run_evaluation(student, teacher, tokenizer, heldout, opts: ConvertOptions, d
     return results
 
 
+def _teacher_name(teacher_id: str) -> str:
+    from .model_card import teacher_hub_info
+
+    return teacher_hub_info(teacher_id)["hub_name"] or teacher_display_name(teacher_id)
+
+
 def _write_output(student, tokenizer, teacher, output: Path, work: Path, record: dict, results: Optional[dict],
-                  opts: ConvertOptions, say) -> None:
+                  opts: ConvertOptions, say, teacher_id: str, places: list) -> None:
     import copy
 
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
+    from .model_card import finish_folder, teacher_hub_info, write_model_card
+
+    record, results = _portable(record, places), _portable(results, places)
+    tmp = None
     try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
         generation = copy.deepcopy(getattr(teacher, "generation_config", None))
         if generation is not None:
             student.generation_config = generation
@@ -537,20 +795,31 @@ def _write_output(student, tokenizer, teacher, output: Path, work: Path, record:
         ts.atomic_write_json(tmp / "conversion.json", record)
         if results is not None:
             ts.atomic_write_json(tmp / "evaluation.json", results)
-        try:
-            from .model_card import write_model_card
-
-            write_model_card(tmp, _recipe_info(record, student, opts), results, model_name=output.name)
-        except ImportError as error:
-            say(f"model card skipped: aaren_hf.conversion.model_card is not available ({error})")
+        info = _portable(_recipe_info(record, student, opts), places)
+        hub = teacher_hub_info(teacher_id)  # read from the real folder: the card shows only portable names
+        info.update({k: v for k, v in (("base_model", hub["hub_name"]), ("teacher_source", hub["source"]),
+                                       ("context", getattr(teacher.config, "max_position_embeddings", None)))
+                     if v})
+        write_model_card(tmp, info, results, model_name=output.name)
         log_file = work / "convert.log"
         if log_file.is_file():
-            shutil.copyfile(log_file, tmp / "conversion.log")
-        for path in [tmp, *tmp.rglob("*")]:
-            path.chmod(0o755 if path.is_dir() else 0o644)
+            text = _portable(log_file.read_text(encoding="utf-8", errors="replace"), places)
+            ts.atomic_write(tmp / "conversion.log", lambda name: Path(name).write_text(text, encoding="utf-8"))
+        dropped = finish_folder(tmp, type(tokenizer).__name__)
+        if dropped:
+            say(f"tokenizer: the teacher's tokenizer_config.json names custom code ({dropped}); the conversion used "
+                f"transformers' {type(tokenizer).__name__}, so the student states that class and drops the map")
+        written = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if not p.is_dir())
+        ts.atomic_write_json(tmp / MARKER, {"written_by": "aaren-convert", "files": written})
+        check_replaceable(output)  # again: files may have been put there while the conversion ran
         _publish_folder(tmp, output)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as error:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(error, OSError):
+            raise ConversionError(f"cannot write the output {output}: {_os_reason(error)}. The trained model is kept "
+                                  f"in {work}: make room or fix the permissions, then rerun the same command with "
+                                  f"--resume") from None
         raise
     say(f"saved {output}")
 

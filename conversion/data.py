@@ -7,8 +7,11 @@
 
 Sources (one or a list, mixed freely):
 - a packaged corpus name: ``python-docs``, ``kernel-docs``, ``perl-docs`` (see :mod:`.assets`; offline);
-- local files or folders: ``.txt``/``.md``/``.rst`` (one document per file), ``.jsonl``/``.json`` (one document per
-  line or record, field ``text_field``), ``.parquet`` (one document per row); folders are searched recursively;
+- local files or folders: ``.txt``/``.md``/``.rst`` (one document per file, UTF-8; a file that is not UTF-8 is read
+  as Latin-1 with a warning, a binary one is refused), ``.jsonl``/``.json`` (one document per line or record, field
+  ``text_field``), ``.parquet`` (one document per row); folders are searched recursively. When all the sources
+  together give a single document (one long text file), it is cut into pieces at paragraph breaks (or at spaces,
+  for text without blank lines) of about ``PIECE_CHARS`` characters, so that some of it can be held out;
 - a Hugging Face ``datasets`` name, ``"name"`` or ``"name:config"`` (split ``dataset_split``; one document per
   non-empty row). Needs network access to the hub, or the dataset in the local datasets cache.
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import socket
@@ -38,13 +42,16 @@ import numpy as np
 import torch
 
 from .assets import CORPORA, cache_root, packaged_text_files
+from .train_state import file_fingerprint
 
 __all__ = ["DataSourceError", "TokenWindows", "load_documents", "load_token_windows", "tokenize_documents"]
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst")
 JSON_SUFFIXES = (".jsonl", ".json")
 PARQUET_SUFFIXES = (".parquet",)
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: content hashes in the key; a lone document is cut into pieces
+PIECE_CHARS = 2000
+LOGGER = logging.getLogger(__name__)
 
 
 class DataSourceError(ValueError):
@@ -85,21 +92,58 @@ def _files_under(path: Path) -> list[Path]:
     return sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in suffixes)
 
 
+def _read_text(path: Path) -> str:
+    data = path.read_bytes()
+    if b"\0" in data[:65536]:
+        raise DataSourceError(f"{path} is not text (it holds NUL bytes: a binary file named {path.suffix}); pass "
+                              f"UTF-8 text files, or remove it from the data folder")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        # Latin-1 decodes any byte string; for text written in a Latin-1/Windows code page it gives the right
+        # characters, where UTF-8 with replacement would put U+FFFD into the training text.
+        LOGGER.warning(f"warning: {path} is not UTF-8 (byte {error.start}); reading it as Latin-1. Convert it with "
+                       f"`iconv -f latin1 -t utf-8` if that is wrong")
+        return data.decode("latin-1")
+
+
+def _text_of(record, where: str, text_field: str) -> str:
+    if not isinstance(record, dict) or text_field not in record:
+        keys = f"keys: {sorted(record)}" if isinstance(record, dict) else f"a JSON {type(record).__name__}"
+        raise DataSourceError(f"{where} has no {text_field!r} field ({keys}); each record must be an object with "
+                              f"the text in {text_field!r}")
+    if not isinstance(record[text_field], str):
+        raise DataSourceError(f"{where}: {text_field!r} is a {type(record[text_field]).__name__}, not a string")
+    return record[text_field]
+
+
+def _parse_json(text: str, where: str, expected: str):
+    try:
+        return json.loads(text)
+    except ValueError as error:
+        raise DataSourceError(f"{where}: not valid JSON ({error}); {expected}") from None
+
+
 def _read_file(path: Path, text_field: str) -> Iterable[tuple[str, str]]:
     suffix = path.suffix.lower()
     if suffix in TEXT_SUFFIXES:
-        yield path.read_text(encoding="utf-8", errors="replace"), str(path)
-    elif suffix == ".jsonl" or (suffix == ".json" and not path.read_text(encoding="utf-8").lstrip().startswith("[")):
-        with open(path, encoding="utf-8") as handle:
-            for number, line in enumerate(handle, 1):
-                if line.strip():
-                    record = json.loads(line)
-                    if text_field not in record:
-                        raise DataSourceError(f"{path}:{number} has no {text_field!r} field (keys: {sorted(record)})")
-                    yield record[text_field], record.get("source") or f"{path}:{number}"
-    elif suffix == ".json":
-        for number, record in enumerate(json.loads(path.read_text(encoding="utf-8"))):
-            yield (record[text_field] if isinstance(record, dict) else str(record)), f"{path}[{number}]"
+        yield _read_text(path), str(path)
+    elif suffix in JSON_SUFFIXES:
+        text = _read_text(path)
+        if suffix == ".json" and text.lstrip().startswith("["):
+            records = _parse_json(text, str(path), f"a .json file must be a list of objects with a {text_field!r} "
+                                                   f"field, or one object per line")
+            for number, record in enumerate(records):
+                where = f"{path}[{number}]"
+                yield (record if isinstance(record, str) else _text_of(record, where, text_field)), where
+            return
+        # split("\n"), not splitlines(): JSON strings may hold U+2028 and other characters splitlines() breaks at
+        for number, line in enumerate(text.split("\n"), 1):
+            if line.strip():
+                where = f"{path}:{number}"
+                record = _parse_json(line, where, f"each line of {path.name} must be one JSON object such as "
+                                                  f"{{\"{text_field}\": \"...\"}}")
+                yield _text_of(record, where, text_field), record.get("source") or where
     elif suffix in PARQUET_SUFFIXES:
         try:
             import pyarrow.parquet as pq
@@ -191,7 +235,34 @@ def load_documents(sources, text_field: str = "text", dataset_split: str = "trai
                     return documents
     if not documents:
         raise DataSourceError(f"no documents found in {sources!r}")
+    if len(documents) == 1:
+        text, name = documents[0]
+        documents = [(piece, f"{name}#{i}") for i, piece in enumerate(split_document(text))]
     return documents
+
+
+def split_document(text: str, piece_chars: int = PIECE_CHARS) -> list[str]:
+    """Cut one long text into pieces of about ``piece_chars`` characters: whole paragraphs (blank-line separated)
+    where there are any, else at the last space before the limit. The held-out split is by document, so one
+    document could never be both trained on and held out."""
+    paragraphs = [p for p in text.split("\n\n") if p.strip()]
+    if len(paragraphs) == 1:
+        pieces, rest = [], text
+        while len(rest) > piece_chars:
+            cut = rest.rfind(" ", piece_chars // 2, piece_chars)
+            cut = cut if cut > 0 else piece_chars
+            pieces.append(rest[:cut])
+            rest = rest[cut:]
+        return pieces + [rest]
+    pieces, current = [], ""
+    for paragraph in paragraphs:
+        current = f"{current}\n\n{paragraph}" if current else paragraph
+        if len(current) >= piece_chars:
+            pieces.append(current)
+            current = ""
+    if current.strip():
+        pieces.append(current)
+    return pieces
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -222,8 +293,13 @@ def _source_fingerprint(source, text_field: str, dataset_split: str) -> dict:
 
 
 def _file_fingerprint(path: Path) -> list:
-    stat = path.stat()
-    return [str(path.resolve()), stat.st_size, stat.st_mtime_ns]
+    content = file_fingerprint(path)
+    return [str(path.resolve()), content["bytes"], content["sha256"]]
+
+
+def source_fingerprints(sources, text_field: str = "text", dataset_split: str = "train") -> list:
+    """Content fingerprint of every local file of ``sources`` (path, size, SHA-256); a hub dataset by name."""
+    return [_source_fingerprint(s, text_field, dataset_split) for s in _as_list(sources)]
 
 
 def tokenize_documents(tokenizer, sources, *, text_field: str = "text", dataset_split: str = "train",
@@ -241,7 +317,7 @@ def tokenize_documents(tokenizer, sources, *, text_field: str = "text", dataset_
     key_data = {
         "format": CACHE_FORMAT,
         "tokenizer": _tokenizer_fingerprint(tokenizer),
-        "sources": [_source_fingerprint(s, text_field, dataset_split) for s in _as_list(sources)],
+        "sources": source_fingerprints(sources, text_field, dataset_split),
         "max_documents": max_documents,
         "eos": eos,
         "bos": bos,
@@ -284,17 +360,19 @@ def tokenize_documents(tokenizer, sources, *, text_field: str = "text", dataset_
     names = [name for _, name in unique]
 
     if use_cache:
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=folder))
+        tmp = None
         try:
+            folder.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=folder))
             np.save(tmp / "tokens.npy", tokens, allow_pickle=False)
             np.save(tmp / "offsets.npy", offsets, allow_pickle=False)
             (tmp / "meta.json").write_text(json.dumps({"key": key_data, "documents": names}) + "\n")
             if entry.exists():
                 shutil.rmtree(entry, ignore_errors=True)
             os.replace(tmp, entry)
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)  # another process won the race, or the disk is full: no cache
+        except OSError:  # another process won the race, the disk is full or the cache is read-only: no cache
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
     return tokens, offsets, names
 
 
@@ -337,9 +415,12 @@ def load_token_windows(tokenizer, sources, seq_len: int = 512, num_train: int | 
         filled = np.cumsum(lengths[order])
         cut = int(np.searchsorted(filled, target)) + 1
         if cut > len(order) - 1:
-            raise ValueError(
+            raise DataSourceError(
                 f"not enough text for {num_heldout} held-out windows of {seq_len} tokens plus training data: the "
-                f"sources hold {total} tokens in {len(names)} documents"
+                f"sources hold {total} tokens in {len(names)} documents, and whole documents are held out, so the "
+                f"held-out documents need {target} tokens and at least one document must remain for training. Give "
+                f"more text (a folder of .txt files or a .jsonl with one document per line), or lower "
+                f"--heldout-windows or --seq-len"
             )
     heldout_docs = sorted(int(i) for i in order[:cut])
     train_docs = sorted(int(i) for i in order[cut:])

@@ -14,7 +14,7 @@ import yaml
 from .evaluate import format_table
 from .train_state import atomic_write
 
-__all__ = ["write_model_card", "render_model_card", "teacher_hub_info"]
+__all__ = ["write_model_card", "render_model_card", "teacher_hub_info", "finish_folder", "escape_controls"]
 
 TAGS = ["aaren", "linear-attention", "recurrent", "distillation"]
 
@@ -74,6 +74,19 @@ def _front_matter(recipe_info: dict) -> dict:
     return meta
 
 
+def escape_controls(value):
+    """``value`` (str, or dicts/lists of them) with control characters written as ``\\xNN`` / ``\\uNNNN``:
+    generated text may hold escape sequences or NUL bytes that corrupt a terminal or a Markdown page."""
+    if isinstance(value, str):
+        return re.sub(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029]",
+                      lambda m: m.group().encode("unicode_escape").decode("ascii"), value)
+    if isinstance(value, dict):
+        return {k: escape_controls(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [escape_controls(v) for v in value]
+    return value
+
+
 def _value(v) -> str:
     if isinstance(v, (dict, list, tuple)):
         return "`" + json.dumps(v, default=str) + "`"
@@ -127,10 +140,14 @@ def render_model_card(recipe_info: dict, results: Optional[dict], model_name: Op
     summary = _student_summary(student_cfg)
     if summary:
         lines += ["", f"Architecture: {summary}."]
-    if info.get("source"):
-        lines += ["", f"Teacher weights: {info['source']} (4-bit rounded weights expanded to float, not bit-identical "
-                      "to the original checkpoint)." if "gguf" in str(info["source"]).lower() else
-                  f"Teacher weights: {info['source']}."]
+    source = recipe_info.get("teacher_source") or info.get("source")
+    if source:
+        lines += ["", f"Teacher weights: {source} (4-bit rounded weights expanded to float, not bit-identical "
+                      "to the original checkpoint)." if "gguf" in str(source).lower() else
+                  f"Teacher weights: {source}."]
+    if not meta.get("base_model"):
+        lines += ["", "base_model: not known here (the teacher was a local folder); `examples/push_to_hub.py "
+                      "--base-model OWNER/NAME` adds it before uploading."]
     if meta["license"] == "unknown":
         lines += ["", "License: unknown here; check the teacher's license, which this model inherits."]
 
@@ -146,12 +163,20 @@ def render_model_card(recipe_info: dict, results: Optional[dict], model_name: Op
               "`import aaren_hf` registers the model class and `trust_remote_code` is not needed. The cache returned "
               "by `generate` is an `AarenCache` (fixed size; it cannot be cropped, so assisted decoding is not "
               "supported)."]
+    context = min(int(recipe_info.get("context") or 2048),
+                  int(student_cfg.get("max_position_embeddings") or 1 << 20))
+    lines += ["", "With [lm-evaluation-harness](https://github.com/EleutherAI/lm-evaluation-harness), pass "
+              f"`max_length` (here {context}, the teacher's context):", "", "```bash",
+              f"lm_eval --model hf --model_args pretrained=PATH,trust_remote_code=True,max_length={context} "
+              "--tasks wikitext", "```", "",
+              "Without it lm-eval takes `max_position_embeddings` as the context, which for a model without a "
+              "position table is 2^20 (no limit), and puts each whole document into one forward pass."]
 
     lines += ["", "## Conversion recipe", "", "| | |", "|---|---|"]
     if teacher:
         lines.append(f"| teacher | {_value(teacher_label)}" + (f" (loaded from `{teacher}`)" if str(teacher) != teacher_label else "") + " |")
     known = {"teacher", "base_model", "license", "model_name", "stages", "options", "student_config", "tags",
-             "notes", "command"}
+             "notes", "command", "teacher_source", "context"}
     for key in ("data", "tokens"):
         if key in recipe_info:
             value = _format_tokens(recipe_info[key]) if key == "tokens" else _value(recipe_info[key])
@@ -181,7 +206,7 @@ def render_model_card(recipe_info: dict, results: Optional[dict], model_name: Op
 
     lines += ["", "## Evaluation", ""]
     if results:
-        lines.append(format_table(results).rstrip())
+        lines.append(format_table(escape_controls(results)).rstrip())
         lines += ["", "Perplexity depends on the window length, the stride and the text: the numbers above compare "
                   "teacher, student and baseline on exactly the same windows and are not comparable to numbers "
                   "measured in another setting. The StreamingLLM baseline is the teacher itself, untrained, seeing "
@@ -195,6 +220,26 @@ def render_model_card(recipe_info: dict, results: Optional[dict], model_name: Op
               "errors: long-range recall and knowledge-heavy tasks are where conversions lose most.",
               "- Evaluated on the text and settings stated above only."]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def finish_folder(folder, tokenizer_class: Optional[str] = None) -> Optional[dict]:
+    """Make a saved model folder publishable as it is: files 0644 and folders 0755 (some writers leave 0600), and a
+    ``tokenizer_config.json`` that loads without custom code: its ``auto_map`` (code this project never runs, and
+    does not copy) is dropped and the transformers class actually used is stated. Returns the dropped map."""
+    folder = Path(folder)
+    dropped = None
+    config_path = folder / "tokenizer_config.json"
+    if config_path.is_file():
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+        dropped = config.pop("auto_map", None)
+        if tokenizer_class:
+            config["tokenizer_class"] = tokenizer_class
+        atomic_write(config_path, lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2, ensure_ascii=False)
+                                                                    + "\n", encoding="utf-8"))
+    for path in [folder, *folder.rglob("*")]:
+        if not path.is_symlink():
+            path.chmod(0o755 if path.is_dir() else 0o644)
+    return dropped
 
 
 def write_model_card(output_dir, recipe_info: dict, results: Optional[dict], model_name: Optional[str] = None) -> Path:

@@ -23,11 +23,14 @@ one (tested in ``tests/test_resume.py``).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
 import shutil
+import socket
 import tempfile
+import time
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -37,6 +40,9 @@ from safetensors.torch import load_file, save_file
 
 __all__ = [
     "CheckpointError",
+    "LockHeld",
+    "RunLock",
+    "file_fingerprint",
     "atomic_write_json",
     "atomic_save_tensors",
     "capture_rng",
@@ -125,6 +131,94 @@ def atomic_save_tensors(path, tensors: dict, metadata: Optional[dict] = None) ->
     """safetensors file written atomically. Shared storage is fine (tensors are copied to contiguous CPU tensors)."""
     meta = {k: str(v) for k, v in (metadata or {}).items()}
     return atomic_write(path, lambda tmp: save_file(_standalone(tensors), tmp, metadata=meta))
+
+
+def file_fingerprint(path) -> dict:
+    """Size and SHA-256 of a file's content: what a resumed run compares, since a path and a modification time do
+    not show that the bytes behind them changed (a re-download, `cp -p`, an edited corpus)."""
+    path = Path(path)
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return {"bytes": path.stat().st_size, "sha256": digest.hexdigest()}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Run lock
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class LockHeld(RuntimeError):
+    """Another live run holds the lock; the message names it and says what to do."""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by another user
+        return True
+    return True
+
+
+class RunLock:
+    """An exclusive lock file (``O_CREAT | O_EXCL``) holding the owner's pid, host and start time.
+
+    A lock whose owner is a dead process on this host is stale and taken over; one from another host cannot be
+    checked and counts as held (the message says which file to delete if no run is active there). A lock file
+    still empty (its owner is between creating and writing it) counts as held for ``grace`` seconds."""
+
+    def __init__(self, path, grace: float = 10.0):
+        self.path = Path(path)
+        self.grace = grace
+        self.owned = False
+
+    def _holder(self) -> dict:
+        try:
+            return json.loads(self.path.read_text() or "{}")
+        except (OSError, ValueError):
+            return {}
+
+    def _is_stale(self, holder: dict) -> bool:
+        if not holder:
+            try:
+                return time.time() - self.path.stat().st_mtime > self.grace
+            except FileNotFoundError:
+                return True
+        if holder.get("host") != socket.gethostname():
+            return False
+        return not _pid_alive(int(holder.get("pid", -1)))
+
+    def acquire(self) -> "RunLock":
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self._holder()
+                if not self._is_stale(holder):
+                    who = (f"process {holder.get('pid')} on {holder.get('host')}, started {holder.get('started')}"
+                           if holder else "a process that is starting")
+                    raise LockHeld(
+                        f"another run is using this output: {self.path} is held by {who}. Wait for it to finish or "
+                        f"stop it; if no such run is active, delete {self.path}"
+                    ) from None
+                self.path.unlink(missing_ok=True)  # stale: its owner died without cleaning up
+                continue
+            with os.fdopen(fd, "w") as handle:
+                json.dump(me, handle)
+                handle.flush()
+                os.fsync(handle.fileno())
+            self.owned = True
+            return self
+        raise LockHeld(f"could not take the lock {self.path}: other runs keep taking it; try again")
+
+    def release(self) -> None:
+        if self.owned and self._holder().get("pid") == os.getpid():
+            self.path.unlink(missing_ok=True)
+        self.owned = False
 
 
 # ----------------------------------------------------------------------------------------------------------------

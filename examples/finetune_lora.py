@@ -10,7 +10,10 @@
 
 Steps: held-out perplexity of the base model; LoRA training (gradient checkpointing on); the adapter is saved to
 OUTPUT/adapter, reloaded with AutoPeftModelForCausalLM (trust_remote_code=True), merged with merge_and_unload and
-saved with a model card to OUTPUT/merged (ready for examples/push_to_hub.py); held-out perplexity after.
+saved with a model card to OUTPUT/merged; held-out perplexity after. Both folders go to the Hub with
+examples/push_to_hub.py as they are (safetensors and JSON only, files 0644, no local paths in the cards) once they
+name their base model: pass --base-model-id OWNER/NAME (the converted model on the Hub), or later
+`push_to_hub.py FOLDER --base-model OWNER/NAME`.
 
 Text: the packaged python-docs corpus (aaren_hf.conversion.assets) unless --text-file is given (.txt: one
 document; .jsonl: one {"text": ...} document per line). Every 10th document is held out (or the last 10% of the
@@ -100,7 +103,7 @@ def load_documents(text_files=None, corpus="python-docs") -> tuple[list[str], st
             raise SystemExit(f"error: packaged corpus {corpus!r} is not available: {error}\nPass --text-file.") from error
         description = f"packaged {corpus} corpus"
     else:
-        description = ", ".join(text_files)
+        description = ", ".join(Path(name).name for name in text_files)  # goes into the card: no local paths
     documents = []
     for name in text_files:
         path = Path(name)
@@ -193,10 +196,14 @@ def perplexity(model, blocks, batch_size=4) -> float:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def write_merged_card(base_path, merged_dir, info: dict, base_model_id=None):
-    """README.md with metadata for the merged fine-tune, inheriting base_model/license/tags from the converted
-    model's card when it has one."""
+def write_card(base_path, folder, info: dict, base_model_id=None, adapter=False):
+    """README.md for the merged fine-tune (``adapter``: for the adapter folder), with license/tags inherited from the
+    converted model's card. ``base_model`` is the converted model (``base_model_id``), never its teacher, which
+    the converted card names; without an id it is left out (push_to_hub.py --base-model adds it). The card names
+    the base by its folder name, not by this machine's path."""
     from huggingface_hub import ModelCard, ModelCardData
+
+    from aaren_hf.conversion.train_state import atomic_write
 
     base_data = {}
     card_path = Path(base_path) / "README.md"
@@ -207,33 +214,46 @@ def write_merged_card(base_path, merged_dir, info: dict, base_model_id=None):
             base_data = {}
     tags = list(dict.fromkeys((base_data.get("tags") or []) + ["aaren", "lora", "peft"]))
     data = ModelCardData(
-        base_model=base_model_id or base_data.get("base_model") or str(base_path),
+        base_model=base_model_id,
         license=base_data.get("license") or "apache-2.0",
-        library_name="transformers",
+        library_name="peft" if adapter else "transformers",
         pipeline_tag="text-generation",
         tags=tags,
     )
+    base = base_model_id or Path(base_path).name
+    what = "LoRA adapter" if adapter else "merged LoRA fine-tune"
     body = f"""
-# {Path(merged_dir).parent.name} (merged LoRA fine-tune)
+# {Path(folder).parent.name} ({what})
 
-An Aaren ("Attention as an RNN") causal LM: `{base_path}` fine-tuned with LoRA (rank {info['rank']}) on
-{info['data']} for {info['steps']} steps of {info['seq_len']}-token blocks, then merged into the weights.
+An Aaren ("Attention as an RNN") causal LM: `{base}` fine-tuned with LoRA (rank {info['rank']}) on
+{info['data']} for {info['steps']} steps of {info['seq_len']}-token blocks{'' if adapter else ', then merged into the weights'}.
 LoRA targets: {info['targets']}.
 
 | held-out perplexity | before | after |
 | --- | --- | --- |
 | {info['eval_blocks']} blocks of {info['seq_len']} tokens | {info['ppl_before']:.2f} | {info['ppl_after']:.2f} |
+"""
+    if adapter:
+        body += f"""
+Load with PEFT (the base model's code runs with `trust_remote_code=True`):
 
+```python
+from peft import AutoPeftModelForCausalLM
+model = AutoPeftModelForCausalLM.from_pretrained("REPO_OR_FOLDER", trust_remote_code=True)
+```
+"""
+    else:
+        body += """
 The modeling code is included: load with
 
 ```python
 from transformers import AutoModelForCausalLM, AutoTokenizer
 model = AutoModelForCausalLM.from_pretrained("REPO_OR_FOLDER", trust_remote_code=True)
-tokenizer = AutoTokenizer.from_pretrained("REPO_OR_FOLDER", trust_remote_code=True)  # it reads config.json too
+tokenizer = AutoTokenizer.from_pretrained("REPO_OR_FOLDER", trust_remote_code=True)  # reads config.json too
 ```
 """
-    card = ModelCard(f"---\n{data.to_yaml()}\n---\n{body}")
-    card.save(Path(merged_dir) / "README.md")
+    text = f"---\n{data.to_yaml()}\n---\n{body}"
+    atomic_write(Path(folder) / "README.md", lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -359,7 +379,9 @@ def main(argv=None):
         f"({state.num_processes} process(es)); final train loss {result.training_loss:.4f}")
 
     adapter_dir, merged_dir = output_dir / "adapter", output_dir / "merged"
-    trainer.save_model(str(adapter_dir))  # the adapter only (on the main process)
+    if main_process:
+        # not trainer.save_model: it adds training_args.bin, a pickle that push_to_hub.py (rightly) refuses
+        model.save_pretrained(str(adapter_dir))
     state.wait_for_everyone()
     if not main_process:
         return None
@@ -389,8 +411,20 @@ def main(argv=None):
     tokenizer.save_pretrained(str(merged_dir))
     info = dict(targets=", ".join(targets), rank=args.rank, data=data_desc, steps=result.global_step,
                 seq_len=args.seq_len, eval_blocks=len(eval_blocks), ppl_before=ppl_before, ppl_after=ppl_after)
-    write_merged_card(model_path, merged_dir, info, args.base_model_id)
-    log(f"merged model: {merged_dir} (upload with: python examples/push_to_hub.py {merged_dir} --dry-run)")
+    # imported only now: with --trust-remote-code the model above must come from the folder's own code
+    from aaren_hf.conversion.model_card import finish_folder
+    from aaren_hf.conversion.train_state import atomic_write_json
+
+    write_card(model_path, merged_dir, info, args.base_model_id)
+    write_card(model_path, adapter_dir, info, args.base_model_id, adapter=True)
+    if args.base_model_id:  # reloaded above from the local folder; published, it names the hub model
+        adapter_config = json.loads((adapter_dir / "adapter_config.json").read_text())
+        adapter_config["base_model_name_or_path"] = args.base_model_id
+        atomic_write_json(adapter_dir / "adapter_config.json", adapter_config)
+    finish_folder(merged_dir, type(tokenizer).__name__)
+    finish_folder(adapter_dir)
+    base_flag = "" if args.base_model_id else " --base-model OWNER/NAME-OF-THE-CONVERTED-MODEL"
+    log(f"merged model: {merged_dir} (upload with: python examples/push_to_hub.py {merged_dir}{base_flag} --dry-run)")
     return {"ppl_before": ppl_before, "ppl_after": ppl_after, "merge_diff": diff, "adapter_dir": str(adapter_dir),
             "merged_dir": str(merged_dir), "targets": targets}
 

@@ -3,12 +3,18 @@
 
     python examples/push_to_hub.py outputs/SmolLM2-135M-Instruct-aaren --dry-run     # check, list files and card
     python examples/push_to_hub.py outputs/SmolLM2-135M-Instruct-aaren                # private repo <you>/<folder>
-    python examples/push_to_hub.py outputs/x-lora/merged --repo-id you/x-python --public
+    python examples/push_to_hub.py outputs/x-lora/merged --repo-id you/x-python --base-model you/x-aaren --public
+
+    python examples/push_to_hub.py outputs/x-lora/adapter --base-model you/x-aaren   # a LoRA adapter folder
 
 The folder is checked first, in both modes: config.json with auto_map for AutoConfig, AutoModel and
 AutoModelForCausalLM; the modeling files it names (and those they import); safetensors weights; README.md whose
-YAML metadata has base_model, license and tags; no pickle files (.bin, .pt, ...), which run code when loaded.
---dry-run then prints exactly the files (with sizes) and the card that would go up, and contacts nobody.
+YAML metadata has base_model, license and tags; no pickle files (.bin, .pt, ...), which run code when loaded; no
+symbolic link to a file outside the folder (the upload would follow it). A PEFT adapter folder (adapter_config.json)
+needs adapter_model.safetensors and a base model named by its hub name, not a local path, instead of config.json.
+--base-model OWNER/NAME writes the hub model this one was made from into README.md (and adapter_config.json) when
+the folder does not know it (a conversion of a local teacher folder, a fine-tune of a local model).
+--dry-run then prints exactly the files (with sizes) and the card that would go up, and changes and contacts nothing.
 
 The token comes from --token, else the usual places (huggingface_hub.get_token(): the HF_TOKEN variable, then the
 file written by `hf auth login`, formerly `huggingface-cli login`). The repo is created private unless --public
@@ -93,13 +99,38 @@ def read_card(folder: Path):
     return data, text
 
 
-def check_folder(folder) -> tuple[list[str], list[str]]:
-    """(problems, warnings). Problems make the upload refuse; warnings are printed."""
+def outside_links(folder: Path) -> list[str]:
+    """Symbolic links (not in hidden folders) whose target lies outside ``folder``: "link -> target"."""
+    root = folder.resolve()
+    found = []
+    for path in sorted(folder.rglob("*")):
+        rel = path.relative_to(folder)
+        if path.is_symlink() and not any(p.startswith(".") or p == "__pycache__" for p in rel.parts):
+            target = path.resolve()
+            if target != root and root not in target.parents:
+                found.append(f"{rel.as_posix()} -> {target}")
+    return found
+
+
+def _looks_local(name: str) -> bool:
+    return name.startswith((".", "/", "~")) or Path(name).expanduser().exists()
+
+
+def check_folder(folder, base_model: str | None = None) -> tuple[list[str], list[str]]:
+    """(problems, warnings). Problems make the upload refuse; warnings are printed. ``base_model``: the hub name
+    --base-model will write into the card (and adapter_config.json)."""
     folder = Path(folder)
     problems, warnings = [], []
     if not folder.is_dir():
         return [f"{folder} is not a folder"], []
     files = upload_files(folder)
+    links = outside_links(folder)
+    if links:
+        problems.append(
+            f"symbolic links to files outside the folder: {', '.join(links)}. The upload would follow them and send "
+            "those files; copy them in (cp -L) or remove the links"
+        )
+    adapter = (folder / "adapter_config.json").is_file()
 
     pickles = [f for f in files if f.lower().endswith(PICKLE_SUFFIXES)]
     if pickles:
@@ -111,7 +142,18 @@ def check_folder(folder) -> tuple[list[str], list[str]]:
 
     config_path = folder / "config.json"
     config = None
-    if not config_path.is_file():
+    if adapter:
+        try:
+            named = json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
+        except ValueError as error:
+            problems.append(f"adapter_config.json does not parse: {error}")
+            named = ""
+        if _looks_local(named) and not base_model:
+            problems.append(f"adapter_config.json names its base model by the local path {named!r}, which nobody "
+                            "else can load: pass --base-model OWNER/NAME (the converted model on the Hub)")
+        if "adapter_model.safetensors" not in files:
+            problems.append("adapter_model.safetensors is missing")
+    elif not config_path.is_file():
         problems.append("config.json is missing")
     else:
         try:
@@ -142,7 +184,7 @@ def check_folder(folder) -> tuple[list[str], list[str]]:
             todo |= _relative_imports(path) - seen
 
     weights = [f for f in files if f.endswith(".safetensors")]
-    if not weights:
+    if not weights and not adapter:
         problems.append("no safetensors weights (model.safetensors or sharded model-*.safetensors)")
     index_path = folder / "model.safetensors.index.json"
     if index_path.is_file():
@@ -157,7 +199,15 @@ def check_folder(folder) -> tuple[list[str], list[str]]:
     try:
         card, _ = read_card(folder)
         for field in REQUIRED_CARD_FIELDS:
-            if not card.get(field):
+            if field == "base_model" and (base_model or (card.get(field) and not _looks_local(str(card[field])))):
+                continue
+            if field == "base_model":
+                problems.append(
+                    f"README.md metadata {'names a local path as' if card.get(field) else 'lacks'} 'base_model': pass "
+                    "--base-model OWNER/NAME (the hub model this one was converted or fine-tuned from) to write it "
+                    "in, or add it to README.md yourself"
+                )
+            elif not card.get(field):
                 problems.append(f"README.md metadata lacks {field!r}")
         for field, value in (("library_name", "transformers"), ("pipeline_tag", "text-generation")):
             if not card.get(field):
@@ -165,7 +215,7 @@ def check_folder(folder) -> tuple[list[str], list[str]]:
     except FolderError as error:
         problems.append(str(error))
 
-    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+    if not adapter and not any((folder / name).is_file() for name in TOKENIZER_FILES):
         warnings.append("no tokenizer files: users will need the teacher's tokenizer")
     return problems, warnings
 
@@ -198,19 +248,38 @@ def parse_args(argv=None):
     parser.add_argument("--token", default=None, help="default: HF_TOKEN, else the `hf auth login` token")
     parser.add_argument("--revision", default=None, help="branch to commit to (default: main)")
     parser.add_argument("--commit-message", default="Upload Aaren model (aaren-hf)")
+    parser.add_argument("--base-model", default=None, metavar="OWNER/NAME",
+                        help="hub model this one was made from, written into README.md (and adapter_config.json) "
+                             "when the folder names none or a local path")
     parser.add_argument("--dry-run", action="store_true", help="check and print what would be uploaded; no network")
     return parser.parse_args(argv)
+
+
+def with_base_model(folder: Path, base_model: str) -> dict:
+    """New text of README.md (and adapter_config.json) naming ``base_model``: {file name: text}."""
+    from huggingface_hub import ModelCard
+
+    card = ModelCard(read_card(folder)[1])
+    card.data.base_model = base_model
+    texts = {"README.md": str(card)}
+    adapter = folder / "adapter_config.json"
+    if adapter.is_file():
+        config = json.loads(adapter.read_text())
+        config["base_model_name_or_path"] = base_model
+        texts["adapter_config.json"] = json.dumps(config, indent=2) + "\n"
+    return texts
 
 
 def main(argv=None):
     args = parse_args(argv)
     folder = Path(args.folder)
     repo_id = args.repo_id or default_repo_name(folder)
-    problems, warnings = check_folder(folder)
+    problems, warnings = check_folder(folder, args.base_model)
     for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)
     if problems:
         raise SystemExit(f"error: {folder} is not ready to upload:\n" + "\n".join(f"  - {p}" for p in problems))
+    rewritten = with_base_model(folder, args.base_model) if args.base_model else {}
     files = upload_files(folder)
     sizes = {f: (folder / f).stat().st_size for f in files}
 
@@ -224,7 +293,7 @@ def main(argv=None):
         for f in files:
             print(f"  {human(sizes[f]):>10}  {f}")
         print("model card (README.md):")
-        print(read_card(folder)[1].rstrip())
+        print(rewritten.get("README.md", read_card(folder)[1]).rstrip())
         return {"repo_id": repo_id, "files": sizes, "private": not args.public}
 
     from huggingface_hub import HfApi, get_token
@@ -232,6 +301,13 @@ def main(argv=None):
     token = args.token or get_token()
     if not token:
         raise SystemExit(NO_TOKEN_MESSAGE)
+    if rewritten:
+        from aaren_hf.conversion.train_state import atomic_write
+
+        for name, text in rewritten.items():
+            atomic_write(folder / name, lambda tmp, text=text: Path(tmp).write_text(text, encoding="utf-8"))
+            print(f"{name}: base_model set to {args.base_model}")
+        sizes = {f: (folder / f).stat().st_size for f in files}
     api = HfApi(token=token)
     url = api.create_repo(repo_id, private=not args.public, exist_ok=True, repo_type="model")
     print(f"repo: {url}", flush=True)

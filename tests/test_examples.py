@@ -460,12 +460,22 @@ def test_finetune_tiny_run_saves_adapter_that_reloads_and_merges(tiny_folder, tm
         assert not any("lora" in n for n, _ in merged.named_parameters())
         assert torch.allclose(merged(input_ids=ids).logits, with_adapter, atol=1e-5)
 
-    # the merged folder is ready for push_to_hub (code, auto_map, safetensors, card with metadata)
+    # both folders are ready for push_to_hub (code, auto_map, safetensors, card with metadata) once they name their
+    # base model: the converted model (whose hub name only the user knows), not its teacher
     push = load_example("push_to_hub")
-    problems, _ = push.check_folder(result["merged_dir"])
-    assert problems == []
+    for folder in (result["merged_dir"], result["adapter_dir"]):
+        problems, _ = push.check_folder(folder)
+        assert problems and all("--base-model" in p for p in problems), problems
+        assert push.check_folder(folder, base_model="you/tiny-aaren")[0] == []
     card = (Path(result["merged_dir"]) / "README.md").read_text()
-    assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in card and "- lora" in card
+    assert "SmolLM2" not in card and "- lora" in card
+    # as published: no pickles (Trainer's training_args.bin), normal file modes, no local paths in the cards
+    written = [p for p in out_dir.rglob("*") if p.is_file()]
+    assert not [p.name for p in written if p.suffix in (".bin", ".pt", ".pkl")]
+    assert {p.stat().st_mode & 0o777 for p in written} == {0o644}
+    for folder in (result["merged_dir"], result["adapter_dir"]):
+        text = (Path(folder) / "README.md").read_text()
+        assert str(tmp_path) not in text and str(tiny_folder) not in text
 
 
 @pytest.mark.slow
