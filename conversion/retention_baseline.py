@@ -69,7 +69,7 @@ class TOVAState:
         Hkv = key.shape[1]
         G = H // Hkv
         S, W, M = self.sinks, self.window, self.memory
-        q = query.reshape(B, Hkv, G, T, D)  # grouped-query heads share their KV head without copying it
+        q = query.reshape(B, Hkv, G, T, D)  # grouped-query heads share their KV head
         mem_k = key.new_zeros(B, Hkv, M, D)
         mem_v = value.new_zeros(B, Hkv, M, D)
         mem_pos = torch.full((B, M), -1, dtype=torch.long, device=key.device)
@@ -77,14 +77,14 @@ class TOVAState:
         out = query.new_empty(B, T, H, D)
         for t in range(T):
             lo = max(S, t - W + 1)  # first window position
-            qt = q[:, :, :, t : t + 1]  # [B, Hkv, G, 1, D]
+            qt = q[:, :, :, t]  # [B, Hkv, G, D]: the G query heads of a KV head as rows, so keys are never copied
             parts_k = [key[:, :, : min(S, t + 1)], mem_k[:, :, :m], key[:, :, lo : t + 1]]
             parts_v = [value[:, :, : min(S, t + 1)], mem_v[:, :, :m], value[:, :, lo : t + 1]]
             sizes = [p.shape[2] for p in parts_k]
-            scores = torch.cat([torch.matmul(qt, p.unsqueeze(2).transpose(-1, -2)) for p in parts_k], -1)
+            scores = torch.cat([torch.matmul(qt, p.transpose(-1, -2)) for p in parts_k if p.shape[2]], -1)
             # softmax in float32, as transformers' eager attention does
-            weights = torch.softmax(scores.float() * scaling, -1)  # [B, Hkv, G, 1, n]
-            o = sum(torch.matmul(w.to(value.dtype), p.unsqueeze(2)) for w, p in zip(weights.split(sizes, -1), parts_v))
+            weights = torch.softmax(scores.float() * scaling, -1)  # [B, Hkv, G, n]
+            o = sum(torch.matmul(w.to(value.dtype), p) for w, p in zip(weights.split(sizes, -1), parts_v) if p.shape[2])
             out[:, t] = o.reshape(B, H, D)
             leaving = t - W + 1  # leaves the window after this step (a sink never does)
             if leaving < S or M == 0:
@@ -95,7 +95,7 @@ class TOVAState:
                 continue
             # TOVA: among the memory and the leaving token (first window key: index sizes[0] + M), evict the lowest
             # weight averaged over the layer's query heads; ties go to the first slot, the leaving token last
-            score = weights[..., 0, sizes[0] : sizes[0] + M + 1].mean((1, 2))  # [B, M + 1]
+            score = weights[..., sizes[0] : sizes[0] + M + 1].mean((1, 2))  # [B, M + 1]
             victim = score.argmin(-1)  # [B]; M means the leaving token itself is dropped
             keep = victim == M
             slot = victim.clamp(max=M - 1)

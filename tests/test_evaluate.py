@@ -310,6 +310,29 @@ def test_equal_memory_window_arithmetic():
     assert ev.teacher_kv_bytes_per_token(GPT2Config(n_embd=32, n_layer=2, n_head=4)) == 2 * 2 * 4 * 8 * 4
 
 
+def test_equal_memory_retention_arithmetic():
+    from aaren_hf.conversion.retention_baseline import equal_memory_retention
+
+    geometry = dict(vocab_size=64, hidden_size=576, intermediate_size=64, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, head_dim=64)
+    teacher_config = LlamaConfig(**geometry)
+    student_config = AarenConfig(**geometry, num_query_slots=4, window_size=64, num_sink_tokens=1)
+    # 3,245,280 student bytes = 70 teacher tokens (46,080 B each): 1 sink + 63 window tokens + 6 kept by TOVA
+    kept = equal_memory_retention(student_config, teacher_config, sinks=1)
+    assert (kept["sinks"], kept["window"], kept["memory"], kept["clamped"]) == (1, 64, 6, False)
+    assert kept["baseline_kv_bytes"] == 70 * 46_080 <= kept["student_state_bytes"] == ev.aaren_state_bytes(student_config)
+    # a window wider than the bytes allow is shrunk, and nothing is left for memory
+    narrow = equal_memory_retention(student_config, teacher_config, sinks=1, window=100)
+    assert (narrow["window"], narrow["memory"], narrow["clamped"]) == (70, 0, True)
+    # no window (the paper's form: 70,200 B = 1 token): the sink only, a window of 1 (the current token)
+    paper = equal_memory_retention(AarenConfig(**geometry), teacher_config, sinks=1)
+    assert (paper["window"], paper["memory"]) == (1, 0)
+    # a student with no window but a large state: half the tokens to the window, the rest to memory
+    wide = equal_memory_retention(AarenConfig(**geometry, num_query_slots=64), teacher_config, sinks=1)
+    tokens = wide["student_state_bytes"] // 46_080
+    assert wide["window"] == (tokens - 1) // 2 + 1 and wide["sinks"] + wide["window"] - 1 + wide["memory"] == tokens
+
+
 def test_state_bytes_constant_kv_linear(student, teacher):
     table = ev.state_bytes_table(student, teacher.config, contexts=(100, 1000, 10000))
     assert table["student_state_constant"]

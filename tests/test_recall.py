@@ -6,31 +6,25 @@ import re
 
 import pytest
 import torch
-from helpers import one_thread  # noqa: F401  (module-scoped fixture: single-threaded torch)
+from helpers import bpe_tokenizer, one_thread  # noqa: F401  (one_thread: module fixture, 1 thread)
 
 from aaren_hf.conversion import recall as rc
 
-VOCAB = 257
+
+
+MANUAL = " ".join(f"Line {i} of the manual explains option number {i * 7 % 101}." for i in range(400))
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    vocab["<|endoftext|>"] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    """A real byte-level BPE (merges learned from the filler text), so keys and words span several tokens."""
+    return bpe_tokenizer(MANUAL)
 
 
 @pytest.fixture(scope="module")
 def filler(tokenizer):
     """Real-looking text as [N, L] windows, with a distinct token stream to recognise filler slices."""
-    text = " ".join(f"Line {i} of the manual explains option number {i * 7 % 101}." for i in range(400))
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = tokenizer(MANUAL, add_special_tokens=False)["input_ids"]
     n = len(ids) // 100
     return torch.tensor(ids[: n * 100]).view(n, 100)
 
