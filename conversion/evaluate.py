@@ -40,6 +40,7 @@ __all__ = [
     "equal_memory_window",
     "evaluate",
     "format_table",
+    "long_heldout_windows",
     "perplexity",
     "position_buckets",
     "recall_probe",
@@ -624,6 +625,34 @@ def sample_generations(model, tokenizer, prompts: Iterable[str] = DEFAULT_PROMPT
 def _model_name(model) -> str:
     return str(getattr(model.config, "_name_or_path", "") or getattr(model, "name_or_path", "") or
                type(model).__name__)
+
+
+def long_heldout_windows(tokenizer, sources, *, seq_len: int, num_heldout: int, long_length: int = 2048,
+                         seed: int = 0, **load_kwargs) -> torch.Tensor:
+    """Held-out windows of ``long_length`` tokens cut from the SAME held-out documents as
+    ``load_token_windows(tokenizer, sources, seq_len=seq_len, num_heldout=num_heldout, seed=seed)`` (the run's
+    evaluation windows), so they were never trained on either: :func:`~aaren_hf.conversion.data.load_token_windows`
+    holds out a prefix of the seed's document order just long enough for ``num_heldout * seq_len`` tokens, and
+    asking for ``num_heldout * seq_len // long_length`` windows of ``long_length`` asks for no more tokens, hence
+    the same prefix or a shorter one (checked). Returns [n, long_length]; pass it as ``evaluate(long_windows=...)``.
+    ``load_kwargs`` go to ``load_token_windows`` (``cache_dir``, ``add_bos``, ...), the same as the run's."""
+    from .data import load_token_windows
+
+    if long_length < 2 or seq_len < 2 or num_heldout < 1:
+        raise ValueError(f"need long_length >= 2, seq_len >= 2 and num_heldout >= 1, got {long_length}, {seq_len}, "
+                         f"{num_heldout}")
+    n = num_heldout * seq_len // long_length
+    if n < 1:
+        raise ValueError(f"{num_heldout} held-out windows of {seq_len} tokens hold less than one window of "
+                         f"{long_length}: raise the number of held-out windows to at least "
+                         f"{-(-long_length // seq_len)}")
+    run = load_token_windows(tokenizer, sources, seq_len=seq_len, num_train=0, num_heldout=num_heldout, seed=seed,
+                             **load_kwargs)
+    long = load_token_windows(tokenizer, sources, seq_len=long_length, num_train=0, num_heldout=n, seed=seed,
+                              **load_kwargs)
+    if not set(long.heldout_documents) <= set(run.heldout_documents):  # never happens with the prefix rule
+        raise RuntimeError("the long held-out windows would include training documents")
+    return long.heldout
 
 
 def _unpack_windows(windows, text_source=None, stride=None):

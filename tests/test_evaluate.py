@@ -436,6 +436,30 @@ def test_recall_probe_batches_and_wordings(teacher, tokenizer, windows):
         ev.recall_probe(teacher, tokenizer, (4,), wording="code")  # a training template, not an evaluation one
 
 
+def test_long_heldout_windows_come_from_heldout_documents(tokenizer, tmp_path):
+    import re
+
+    from aaren_hf.conversion.data import load_token_windows
+
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    for i in range(60):  # document i: its marker word repeated, lengths varying between documents
+        (folder / f"doc{i:02d}.txt").write_text(" ".join([f"m{i:02d}x"] * (3 + i * 7 % 17)) + "\n")
+    args = dict(seq_len=16, num_heldout=12, seed=3, cache_dir=tmp_path / "cache")
+    run = load_token_windows(tokenizer, folder, num_train=None, **{k: v for k, v in args.items()})
+    long = ev.long_heldout_windows(tokenizer, folder, long_length=64, **args)
+    assert long.shape == (12 * 16 // 64, 64)
+    def found(windows):  # window by window: markers must not be glued across window boundaries
+        return {m for row in windows.tolist() for m in re.findall(r"m\d\dx", tokenizer.decode(row))}
+
+    markers, trained = found(long), found(run.train)
+    heldout = {f"m{int(run.documents[i].split('doc')[-1][:2]):02d}x" for i in run.heldout_documents}
+    assert markers and markers <= heldout and not markers & trained
+    with pytest.raises(ValueError, match="at least 8"):
+        ev.long_heldout_windows(tokenizer, folder, seq_len=16, num_heldout=3, long_length=128,
+                                cache_dir=tmp_path / "cache")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # evaluate, format_table, model card
 # ---------------------------------------------------------------------------------------------------------------
