@@ -949,7 +949,8 @@ def format_table(results: dict) -> str:
         long = models[0].get("ppl_long")
         out.append("### Perplexity")
         out.append("")
-        head = f"| model | ppl ({models[0]['ppl']['window_length']} tokens) | ratio to teacher | ppl at positions >= {lr} |"
+        length = models[0]["ppl"]["window_length"]
+        head = f"| model | ppl ({length} tokens) | ratio to teacher | ppl at positions >= {lr} |"
         rule = "|---|---|---|---|"
         if long:
             head += f" ppl ({long['window_length']} tokens) | ratio to teacher |"

@@ -99,10 +99,11 @@ class Template:
 
 
 TRAIN_TEMPLATES = (
-    Template("code", " The access code is", ". Keep it safe.\n", "\nWhich access code was given above? The access code is"),
+    Template("code", " The access code is", ". Keep it safe.\n",
+             "\nWhich access code was given above? The access code is"),
     Template("number", " Please memorise the following number:", ".\n",
              "\nEarlier you were asked to memorise a number. That number was"),
-    Template("secret", "\nToday's secret word:", "\n", "\nQuestion: what was today's secret word?\nAnswer:", end="\n"),
+    Template("secret", "\nToday's secret:", "\n", "\nQuestion: what was today's secret?\nAnswer:", end="\n"),
     Template("reference", " (Reference value for later:", ".)", "\nRecall the reference value mentioned before:"),
     Template("record", "\n[record] id =", "\n", "\n# look up the record id from above\nid =", end="\n"),
     Template("locker", " {name}'s locker code is", ".", "\nWhat is {name}'s locker code? {name}'s locker code is",

@@ -33,10 +33,10 @@ Any teacher whose attention modules call ``ALL_ATTENTION_FUNCTIONS`` (Llama, Mis
 
 from __future__ import annotations
 
-import math
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["ATTENTION_NAME", "RetentionBaseline", "TOVAState", "equal_memory_retention", "retention_baseline"]
@@ -208,9 +208,9 @@ class RetentionBaseline(nn.Module):
         head = self.teacher.get_output_embeddings()
         nll = []
         for start in range(0, hidden.shape[1], chunk):
-            logp = torch.log_softmax(head(hidden[:, start : start + chunk]).double(), -1)
+            logits = head(hidden[:, start : start + chunk]).float()  # float32, as perplexity() scores the others
             target = input_ids[:, start + 1 : start + 1 + chunk]
-            nll.append(-logp.gather(-1, target.unsqueeze(-1)).squeeze(-1))
+            nll.append(F.cross_entropy(logits.transpose(1, 2), target, reduction="none").double())
         return torch.cat(nll, 1)
 
 

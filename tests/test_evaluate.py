@@ -251,7 +251,7 @@ def test_retention_baseline_limits(teacher, windows):
     torch.testing.assert_close(last, every[:, -5:])
     nll = kept.token_nll(windows, chunk=7)  # chunked LM head
     want = -torch.log_softmax(every.double(), -1)[:, :-1].gather(-1, windows[:, 1:, None]).squeeze(-1)
-    torch.testing.assert_close(nll, want)
+    torch.testing.assert_close(nll, want, rtol=1e-6, atol=1e-6)  # float32 log-softmax, as for the other models
     result = ev.perplexity(kept, windows, batch_size=2)
     assert result["ppl"] == pytest.approx(math.exp(want.mean().item()), rel=1e-6)
     assert kept.kv_tokens == 2 + 5 + 3 and kept.kv_bytes() == 10 * 2 * 2 * 2 * 8 * 4
@@ -320,7 +320,8 @@ def test_equal_memory_retention_arithmetic():
     # 3,245,280 student bytes = 70 teacher tokens (46,080 B each): 1 sink + 63 window tokens + 6 kept by TOVA
     kept = equal_memory_retention(student_config, teacher_config, sinks=1)
     assert (kept["sinks"], kept["window"], kept["memory"], kept["clamped"]) == (1, 64, 6, False)
-    assert kept["baseline_kv_bytes"] == 70 * 46_080 <= kept["student_state_bytes"] == ev.aaren_state_bytes(student_config)
+    assert kept["baseline_kv_bytes"] == 70 * 46_080 <= kept["student_state_bytes"]
+    assert kept["student_state_bytes"] == ev.aaren_state_bytes(student_config)
     # a window wider than the bytes allow is shrunk, and nothing is left for memory
     narrow = equal_memory_retention(student_config, teacher_config, sinks=1, window=100)
     assert (narrow["window"], narrow["memory"], narrow["clamped"]) == (70, 0, True)
