@@ -164,13 +164,14 @@ def make_recall_windows(tokenizer, filler_windows, n: int, seq_len: int, window:
     """``n`` sequences of exactly ``seq_len`` tokens, each with 1 to ``max_items`` keys stated in real filler text
     and asked for later, the answer following each question.
 
-    Layout: ``[filler][statement 1][filler]...[statement k][gap][question a + answer][filler][question b + answer]
-    ...[filler]``, so every question is at least ``gap`` tokens after its statement. The gap is drawn
+    Layout: ``[intro][filler][statement 1][filler]...[statement k][gap][question a + answer][filler][question b +
+    answer]...[filler]``, so every question is at least ``gap`` tokens after its statement. The gap is drawn
     log-uniformly in [``min_multiple`` * window, ``max_multiple`` * window], clipped to what ``seq_len`` leaves;
     ``distance`` (tokens between the end of a statement and the start of its question, other items included) is
     therefore >= min_multiple * window. Each sequence uses one template and one key format (drawn from
     ``templates`` / ``key_formats``); single-key templates carry one item, key-value templates 1..max_items with
-    distinct names. The first tokens are filler (at least 4, so a sink never holds a key).
+    distinct names. The first tokens are filler (at least 4, so a sink never holds a key; how many is random, so
+    the statements sit anywhere the gap allows).
 
     ``filler_windows``: [N, L] token ids of real text (training windows; never the held-out ones). Deterministic
     in ``seed``. Returns a LongTensor [n, seq_len]; with ``return_info``, also a list (one per sequence) of dicts
@@ -224,8 +225,10 @@ def make_recall_windows(tokenizer, filler_windows, n: int, seq_len: int, window:
         order = list(range(k))
         rng.shuffle(order)
 
-        seq = _take(stream, rng, head)
-        seq = intro + seq
+        # what the gap leaves is split at random between the start and the end, so keys are stated anywhere in
+        # the sequence (not always near its start, where a model could learn to look)
+        head += rng.randint(0, room - gap)
+        seq = intro + _take(stream, rng, head)
         info_items = [None] * k
         for j, (statement, _, _) in enumerate(items):
             if j:

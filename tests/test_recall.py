@@ -84,6 +84,8 @@ def test_distances_span_the_range(tokenizer, filler):
     gaps = [item["distance"] for meta in info for item in meta["items"]]
     assert min(gaps) >= 4 * W
     assert max(gaps) <= 700 and max(gaps) > 16 * W  # clipped by the length, but far beyond the window
+    starts = [item["statement"][0] for meta in info for item in meta["items"]]
+    assert min(starts) < 50 and max(starts) > 300  # keys are stated anywhere the gap allows, not only at the start
 
 
 def test_deterministic_in_seed(tokenizer, filler):
