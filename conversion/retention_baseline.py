@@ -65,6 +65,14 @@ class TOVAState:
         sees the sinks (positions < S), the memory, and the window (t - W, t]; after the step, the window's oldest
         token leaves: it joins the memory while there is room, else TOVA drops the candidate with the lowest
         weight from query t. Returns [B, T, H, D]."""
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # the steps are tiny ops: intra-op threads only add waits (ms each on a busy CPU)
+        try:
+            return self._scan(layer_idx, query, key, value, scaling)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _scan(self, layer_idx: int, query, key, value, scaling: float) -> torch.Tensor:
         B, H, T, D = query.shape
         Hkv = key.shape[1]
         G = H // Hkv
