@@ -5,15 +5,21 @@ Everything here runs on the SAME held-out windows (perplexity is setting-depende
 different numbers with another window length or stride, so the window length, stride, token count and text source
 are part of every result):
 
-- :func:`perplexity`: token-weighted NLL over all predicted tokens, and over the positions >= a threshold (the
-  long-range part: tokens predicted with at least that much context).
+- :func:`perplexity`: token-weighted NLL over all predicted tokens, over the positions >= a threshold (the
+  long-range part: tokens predicted with at least that much context), and by position bucket
+  (:func:`position_buckets`: 0-W, W-4W, 4W-16W, ...). :func:`long_heldout_windows` cuts longer windows (2,048
+  tokens) from the run's own held-out documents.
 - :func:`streaming_llm_baseline`: the teacher itself, untrained, seeing only the first S tokens (attention sinks)
   and the last W tokens, as a StreamingLLM cache would (Xiao et al. 2023). Implemented as the teacher's ordinary
   forward with a custom 4D attention mask.
 - :func:`equal_memory_window`: the baseline window W for which the teacher's KV cache (S + W - 1 tokens held
   between steps) equals the student's whole state (Aaren state + its window keys/values), so both are compared at
   the same memory.
-- :func:`recall_probe`: passkey retrieval over distance (exact match of greedy decoding, computed in one forward).
+- :class:`~aaren_hf.conversion.retention_baseline.RetentionBaseline` (in :mod:`.retention_baseline`): the teacher
+  with sinks + window + tokens kept by TOVA's eviction rule, decoding with that bounded cache; at equal bytes it is
+  the training-free bar for recall.
+- :func:`recall_probe`: passkey retrieval over distance (exact match of greedy decoding, teacher-forced, trials
+  batched), in held-out evaluation wordings that the recall training data (:mod:`.recall`) never uses.
 - :func:`state_bytes_table`: the student's measured state bytes (constant) vs the teacher's KV cache (linear).
 - :func:`sample_generations`: greedy continuations of a few prompts.
 - :func:`evaluate` runs all of them; :func:`format_table` renders the results as Markdown.

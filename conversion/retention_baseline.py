@@ -22,13 +22,18 @@ Between two steps the cache holds S + (W - 1) + M tokens (the next token brings 
 convention as the StreamingLLM baseline and the AarenCache window), so its bytes are :meth:`kv_bytes`; at equal
 bytes to a student, :func:`equal_memory_retention` keeps the student's S and W and gives the rest to M.
 
-Exactness: the forward is real token-by-token decoding with that bounded cache (B sequences in lock-step, the same
-position in all of them, no padding), so perplexity and teacher-forced recall scores are those of a user running it.
-Implemented as an attention function registered with transformers' ``AttentionInterface`` under the name
-``"aaren_tova"``: the teacher is called on one token at a time WITHOUT its own cache (``use_cache=False``, explicit
-``position_ids``) and the function keeps, per layer, the retained keys/values (already rotated at their own
-positions, so no position bookkeeping is needed to attend to them; positions are kept only to report what was kept).
-Any teacher whose attention modules call ``ALL_ATTENTION_FUNCTIONS`` (Llama, Mistral, Qwen2/3, GPT-NeoX, ...) works.
+Exactness: the forward gives the numbers of token-by-token decoding with that bounded cache (B sequences in
+lock-step, the same position in all of them, no padding), so perplexity and teacher-forced recall scores are those
+of a user running it. It is computed layer by layer: a layer's projections, rotary embedding, output projection and
+MLP act on each position alone, and its keys depend only on the layer's input, so they go through all positions at
+once (the teacher's own forward, ``use_cache=False``, natural positions); only the attention with its evictions runs
+step by step (:meth:`TOVAState.scan`), in an attention function registered with transformers'
+``AttentionInterface`` under the name ``"aaren_tova"``. Keys are kept already rotated at their own positions, so no
+position bookkeeping is needed to attend to them (positions are recorded only to report what was kept). A test
+checks it against a naive loop that re-runs the whole prefix at every step with per-layer masks. Any teacher whose
+attention modules call ``ALL_ATTENTION_FUNCTIONS`` (Llama, Mistral, Qwen2/3, GPT-NeoX, ...) works. Cost on SmolLM2-135M
+(1 thread): the teacher's own forward plus the scan, about 0.67 s of CPU per layer for 16 x 1,024 tokens (measured
+on tensors of those shapes; 20 s for the 30 layers, against about 60 s for the teacher's forward itself).
 """
 
 from __future__ import annotations
