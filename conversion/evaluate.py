@@ -5,15 +5,21 @@ Everything here runs on the SAME held-out windows (perplexity is setting-depende
 different numbers with another window length or stride, so the window length, stride, token count and text source
 are part of every result):
 
-- :func:`perplexity`: token-weighted NLL over all predicted tokens, and over the positions >= a threshold (the
-  long-range part: tokens predicted with at least that much context).
+- :func:`perplexity`: token-weighted NLL over all predicted tokens, over the positions >= a threshold (the
+  long-range part: tokens predicted with at least that much context), and by position bucket
+  (:func:`position_buckets`: 0-W, W-4W, 4W-16W, ...). :func:`long_heldout_windows` cuts longer windows (2,048
+  tokens) from the run's own held-out documents.
 - :func:`streaming_llm_baseline`: the teacher itself, untrained, seeing only the first S tokens (attention sinks)
   and the last W tokens, as a StreamingLLM cache would (Xiao et al. 2023). Implemented as the teacher's ordinary
   forward with a custom 4D attention mask.
 - :func:`equal_memory_window`: the baseline window W for which the teacher's KV cache (S + W - 1 tokens held
   between steps) equals the student's whole state (Aaren state + its window keys/values), so both are compared at
   the same memory.
-- :func:`recall_probe`: passkey retrieval over distance (exact match of greedy decoding, computed in one forward).
+- :class:`~aaren_hf.conversion.retention_baseline.RetentionBaseline` (in :mod:`.retention_baseline`): the teacher
+  with sinks + window + tokens kept by TOVA's eviction rule, decoding with that bounded cache; at equal bytes it is
+  the training-free bar for recall.
+- :func:`recall_probe`: passkey retrieval over distance (exact match of greedy decoding, teacher-forced, trials
+  batched), in held-out evaluation wordings that the recall training data (:mod:`.recall`) never uses.
 - :func:`state_bytes_table`: the student's measured state bytes (constant) vs the teacher's KV cache (linear).
 - :func:`sample_generations`: greedy continuations of a few prompts.
 - :func:`evaluate` runs all of them; :func:`format_table` renders the results as Markdown.
@@ -40,7 +46,9 @@ __all__ = [
     "equal_memory_window",
     "evaluate",
     "format_table",
+    "long_heldout_windows",
     "perplexity",
+    "position_buckets",
     "recall_probe",
     "sample_generations",
     "state_bytes_table",
@@ -49,7 +57,8 @@ __all__ = [
     "teacher_kv_bytes_per_token",
 ]
 
-DEFAULT_RECALL_DISTANCES = (32, 128, 512, 2048)
+DEFAULT_RECALL_DISTANCES = (32, 128, 512, 2048)  # for a student without a window
+DEFAULT_RECALL_MULTIPLES = (4, 16, 32)  # recall distances in multiples of the student's window
 DEFAULT_PROMPTS = (
     "The capital of France is",
     "In Python, a list comprehension",
@@ -132,40 +141,73 @@ def _log_fn(log):
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def _token_nll(model, batch: torch.Tensor) -> torch.Tensor:
+    """[B, L-1] float64 NLL of tokens 1..L-1 of ``batch``. Models with a ``token_nll`` method (the retention
+    baseline, which decodes step by step) compute it themselves without materialising [B, L, vocab] logits."""
+    own = getattr(model, "token_nll", None)
+    if callable(own):
+        return own(batch).double()
+    logits = model(input_ids=batch, use_cache=False).logits
+    V = logits.shape[-1]
+    nll = F.cross_entropy(logits[:, :-1].float().reshape(-1, V), batch[:, 1:].reshape(-1), reduction="none")
+    return nll.view(batch.shape[0], -1).double()
+
+
+def position_buckets(window: int, length: int) -> list[int]:
+    """Bucket edges for perplexity by position: 0, W, 4W, 16W, 64W, ... up to ``length`` (the last edge), so the
+    buckets are "inside the window", "1-4 windows back", "4-16 windows back", ... For W < 1 (no window): 0, 64,
+    256, ..., the same ladder from 64."""
+    step = window if window >= 1 else 64
+    edges = [0]
+    edge = step
+    while edge < length:
+        edges.append(edge)
+        edge *= 4
+    return edges + [length]
+
+
 @torch.no_grad()
-def perplexity(model, windows, batch_size: int = 4, from_position: int = 0) -> dict:
+def perplexity(model, windows, batch_size: int = 4, from_position: int = 0,
+               buckets: Optional[Sequence[int]] = None) -> dict:
     """Token-weighted perplexity of ``model`` on ``windows`` ([N, L] token ids, each window scored on its own).
 
     Every window predicts its tokens 1..L-1 from the tokens before them (no context carried across windows), and the
     NLL is summed over all predicted tokens before averaging (token-weighted, so this equals exp of the mean NLL over
     N * (L - 1) tokens). ``from_position`` restricts a second number to targets at index >= from_position in their
     window, i.e. tokens predicted with at least ``from_position`` tokens of context: with a threshold beyond a
-    student's or a baseline's window, that is the long-range part.
+    student's or a baseline's window, that is the long-range part. ``buckets``: increasing edges (e.g. from
+    :func:`position_buckets`); ``by_position`` then gives the perplexity of the targets at index in [edge_i,
+    edge_i+1) (edges beyond L are clipped, empty buckets dropped).
 
-    Works for any causal LM returning ``.logits`` (teacher, AarenForCausalLM, :class:`StreamingLLMBaseline`).
+    Works for any causal LM returning ``.logits`` (teacher, AarenForCausalLM, :class:`StreamingLLMBaseline`) or
+    having a ``token_nll(input_ids)`` method (:class:`~aaren_hf.conversion.retention_baseline.RetentionBaseline`).
     Returns ``{"ppl", "nll", "tokens", "from_position", "ppl_from_position", "nll_from_position",
-    "tokens_from_position", "windows", "window_length"}``.
+    "tokens_from_position", "windows", "window_length", "by_position": [{"from", "to", "ppl", "tokens"}]}``.
     """
     windows = _as_windows(windows)
     N, L = windows.shape
+    if buckets is not None and any(b >= a for a, b in zip(buckets[1:], buckets[:-1])):
+        raise ValueError(f"buckets must be increasing edges, got {list(buckets)}")
     device = _device(model)
-    target_pos = torch.arange(1, L, device=device)
-    tail = target_pos >= from_position
-    nll_sum, n_tok, tail_sum, tail_tok = 0.0, 0, 0.0, 0
+    target_pos = torch.arange(1, L)
+    edges = sorted({min(max(int(e), 0), L) for e in (buckets or [])})
+    spans = [(a, b) for a, b in zip(edges[:-1], edges[1:]) if ((target_pos >= a) & (target_pos < b)).any()]
+    sums = torch.zeros(L - 1, dtype=torch.float64)  # NLL summed over windows, per target position
     with _eval_mode(model):
         for start in range(0, N, max(1, batch_size)):
             batch = windows[start : start + batch_size].to(device)
-            logits = model(input_ids=batch, use_cache=False).logits
-            V = logits.shape[-1]
-            nll = F.cross_entropy(
-                logits[:, :-1].float().reshape(-1, V), batch[:, 1:].reshape(-1), reduction="none"
-            ).view(batch.shape[0], L - 1).double()
-            nll_sum += float(nll.sum())
-            n_tok += nll.numel()
-            tail_sum += float(nll[:, tail].sum())
-            tail_tok += int(tail.sum()) * batch.shape[0]
-    mean = nll_sum / n_tok
-    tail_mean = tail_sum / tail_tok if tail_tok else None
+            sums += _token_nll(model, batch).sum(0).cpu()
+
+    def part(mask: torch.Tensor):
+        count = int(mask.sum()) * N
+        return (float(sums[mask].sum()) / count, count) if count else (None, 0)
+
+    mean, n_tok = part(torch.ones(L - 1, dtype=torch.bool))
+    tail_mean, tail_tok = part(target_pos >= from_position)
+    by_position = []
+    for a, b in spans:
+        nll, count = part((target_pos >= a) & (target_pos < b))
+        by_position.append({"from": a, "to": b, "ppl": math.exp(nll), "nll": nll, "tokens": count})
     return {
         "ppl": math.exp(mean),
         "nll": mean,
@@ -176,6 +218,7 @@ def perplexity(model, windows, batch_size: int = 4, from_position: int = 0) -> d
         "tokens_from_position": tail_tok,
         "windows": N,
         "window_length": L,
+        "by_position": by_position,
     }
 
 
@@ -429,30 +472,50 @@ def _sinks_of(model) -> int:
     return max(int(getattr(model, "sinks", 0) or 0), int(getattr(model.config, "num_sink_tokens", 0) or 0))
 
 
+def _scored_positions(tokenizer, target: list[int]) -> list[int]:
+    """Indices of the answer tokens that carry the key (some letter or digit), for ``token_accuracy``."""
+    keep = [i for i, t in enumerate(target) if any(ch.isalnum() for ch in tokenizer.decode([t]))]
+    return keep or list(range(len(target)))
+
+
 @torch.no_grad()
 def recall_probe(model, tokenizer, distances: Sequence[int] = DEFAULT_RECALL_DISTANCES, n_trials: int = 5,
-                 seed: int = 0, *, filler_ids=None, key_digits: int = 5) -> dict:
-    """Passkey retrieval at several distances: can the model copy a random number it saw ``distance`` tokens ago?
+                 seed: int = 0, *, filler_ids=None, key_digits: int = 5, wording: str = "passkey",
+                 key_format: str = "digits", batch_size: int = 8) -> dict:
+    """Passkey retrieval at several distances: can the model copy a random key it saw ``distance`` tokens ago?
 
-    Each trial is ``intro + " The pass key is <key>. Remember it.\\n" + <distance filler
-    tokens> + "\\nWhat is the pass key? The pass key is" + " <key>"``. The filler is ``distance`` tokens of held-out
-    text (``filler_ids``, a 1D token sequence; a random slice per trial) or, without it, a generic repeated filler
-    ("The grass is green. ..."). Keys and filler slices depend only on ``seed``, so teacher, student and baseline see
-    the same trials. The key is placed after the first ``S`` tokens of the sequence (S: the model's sinks), so a
-    sink never holds it: beyond the window only the recurrent state (student) could carry it.
+    Each trial is ``[intro] + statement + <distance filler tokens> + question + " <key>"`` in one of the held-out
+    EVALUATION wordings of :data:`aaren_hf.conversion.recall.EVAL_WORDINGS`, which no training template of
+    :mod:`.recall` shares a phrase with. The default ``"passkey"`` is the classic test, token for token what this
+    probe always built: ``intro + " The pass key is <key>. Remember it.\\n" + filler + "\\nWhat is the pass key? The
+    pass key is" + " <key>"``, so earlier numbers stay comparable. ``key_format``: ``digits`` (``key_digits`` long,
+    the default and the issue's aim), ``words``, ``hex``, ``mixed`` (see :func:`~aaren_hf.conversion.recall.make_key`).
+    The filler is ``distance`` tokens of held-out text (``filler_ids``, a 1D token sequence; a random slice per
+    trial) or, without it, a generic repeated filler ("The grass is green. ..."). Keys, names and filler slices
+    depend only on ``seed``, so teacher, student and baselines see the same trials. The key is placed after the
+    first ``S`` tokens of the sequence (S: the model's sinks), so a sink never holds it: beyond the window only the
+    model's state or memory could carry it.
 
-    Scoring is teacher-forced, in ONE forward per trial: ``accuracy`` is the exact match of greedy decoding (greedy
-    decoding emits the key iff at each key token the argmax given the true prefix is that token, which is what is
-    checked), ``token_accuracy`` the fraction of key digits predicted, ``key_logprob`` the mean log-probability of the
-    whole key. This is the honest way for the StreamingLLM baseline too: the masked forward is exactly what its cache
-    would compute at each step, no generation loop with a custom cache is needed. Tokens that are pure whitespace at
-    the start of the key (byte-level BPE splits " 48213" into " " + digits) belong to the question, not the score.
+    Scoring is teacher-forced, ``batch_size`` trials of equal length per forward, with logits for the answer
+    positions only: ``accuracy`` is the exact match of greedy decoding (greedy decoding emits the key iff at each
+    key token the argmax given the true prefix is that token, which is what is checked), ``token_accuracy`` the
+    fraction of the key's letter/digit tokens predicted, ``key_logprob`` the mean log-probability of the whole key.
+    This is exact for the baselines too: the StreamingLLM mask is what its cache computes at each step, and the
+    retention baseline's forward is its bounded-cache decoding. Tokens that are pure whitespace at the start of the
+    key (byte-level BPE splits " 48213" into " " + digits) belong to the question, not the score.
 
     Distances whose sequence exceeds the model's trained context (``max_position_embeddings`` / ``n_positions`` of a
-    Transformer) are skipped (``skipped`` says why). Returns ``{"task", "filler", "n_trials", "seed", "results":
-    [{"distance", "key_to_answer", "length", "accuracy", "token_accuracy", "key_logprob", "skipped"}]}``; scores in
-    [0, 1] (``key_logprob`` <= 0).
+    Transformer) are skipped (``skipped`` says why). Returns ``{"task", "wording", "key_format", "filler",
+    "n_trials", "seed", "results": [{"distance", "key_to_answer", "length", "accuracy", "token_accuracy",
+    "key_logprob", "skipped"}]}``; scores in [0, 1] (``key_logprob`` <= 0).
     """
+    from .recall import EVAL_WORDINGS, make_key
+
+    if wording not in EVAL_WORDINGS:
+        raise ValueError(f"unknown wording {wording!r}; the evaluation wordings are {', '.join(EVAL_WORDINGS)}")
+    if n_trials < 1 or batch_size < 1:
+        raise ValueError(f"need n_trials >= 1 and batch_size >= 1, got {n_trials}, {batch_size}")
+    template = EVAL_WORDINGS[wording]
     rng = random.Random(seed)
     device = _device(model)
     sinks = _sinks_of(model)
@@ -465,29 +528,31 @@ def recall_probe(model, tokenizer, distances: Sequence[int] = DEFAULT_RECALL_DIS
         filler_name = "generic (The grass is green. ...)"
     if len(filler) == 0:
         raise ValueError("filler_ids is empty")
-    intro = _ids(tokenizer, "There is a pass key hidden inside a lot of irrelevant text. Find it and remember it.\n")
+    intro = _ids(tokenizer, template.intro)
     if len(intro) < sinks + 1:  # keep the key out of the sinks
         intro = (filler * (sinks // len(filler) + 2))[: sinks + 1 - len(intro)] + intro
-    before_key = _ids(tokenizer, " The pass key is")
-    question = _ids(tokenizer, "\nWhat is the pass key? The pass key is")
 
-    trials = []  # same keys and filler offsets for every distance, drawn once
+    trials = []  # same keys, names and filler offsets for every distance, drawn once (key, offset: as always)
     for _ in range(n_trials):
-        key = str(rng.randint(10 ** (key_digits - 1), 10**key_digits - 1))
+        key = make_key(rng, key_format, key_digits)
         trials.append((key, rng.randrange(len(filler))))
+    names = [rng.choice(template.names) for _ in trials] if template.keyed else [None] * n_trials
+    pieces = []  # per trial: (statement before the key, key ids, statement after the key, question)
+    for (key, _), name in zip(trials, names):
+        fill = (lambda s: s.format(name=name)) if template.keyed else (lambda s: s)
+        pieces.append((_ids(tokenizer, fill(template.before)), _ids(tokenizer, " " + key),
+                       _ids(tokenizer, fill(template.after)), _ids(tokenizer, fill(template.question))))
 
     results = []
     with _eval_mode(model):
         for distance in distances:
             row = {"distance": int(distance), "key_to_answer": None, "length": None, "accuracy": None,
                    "token_accuracy": None, "key_logprob": None, "skipped": None}
-            exact, tok_acc, logprob = [], [], []
-            for key, offset in trials:
-                key_ids = _ids(tokenizer, " " + key)
+            built = []  # (sequence, context length, target)
+            for (key, offset), (before_key, key_ids, after_key, question) in zip(trials, pieces):
                 lead = 0
                 while lead < len(key_ids) - 1 and tokenizer.decode(key_ids[: lead + 1]).strip() == "":
                     lead += 1
-                after_key = _ids(tokenizer, ". Remember it.\n")  # one occurrence of the key only
                 stretch = (filler[offset:] + filler * (distance // len(filler) + 2))[:distance]
                 context = intro + before_key + key_ids + after_key + stretch + question + key_ids[:lead]
                 target = key_ids[lead:]
@@ -495,26 +560,43 @@ def recall_probe(model, tokenizer, distances: Sequence[int] = DEFAULT_RECALL_DIS
                 if max_len is not None and len(seq) > max_len:
                     row["skipped"] = f"{len(seq)} tokens > trained context {max_len}"
                     break
-                # relative distance at which the first answer step sees the first key digit of the statement
-                key_start = len(intro) + len(before_key) + lead
-                row["key_to_answer"] = len(context) - 1 - key_start
-                row["length"] = len(seq)
-                input_ids = torch.tensor([seq], device=device)
-                logits = model(input_ids=input_ids, use_cache=False).logits[0, len(context) - 1 : -1].float()
-                tgt = torch.tensor(target, device=device)
-                pred = logits.argmax(-1)
-                exact.append(float(bool((pred == tgt).all())))
-                digit_pos = [i for i, t in enumerate(target) if any(ch.isdigit() for ch in tokenizer.decode([t]))]
-                digit_pos = digit_pos or list(range(len(target)))
-                tok_acc.append(float((pred == tgt)[digit_pos].float().mean()))
-                logprob.append(float(torch.log_softmax(logits, -1).gather(-1, tgt[:, None]).mean()))
-            if row["skipped"] is None and exact:
-                row["accuracy"] = sum(exact) / len(exact)
-                row["token_accuracy"] = sum(tok_acc) / len(tok_acc)
-                row["key_logprob"] = sum(logprob) / len(logprob)
+                if row["key_to_answer"] is None:
+                    # relative distance at which the first answer step sees the first key token of the statement
+                    row["key_to_answer"] = len(context) - 1 - (len(intro) + len(before_key) + lead)
+                    row["length"] = len(seq)
+                built.append((seq, len(context), target))
+            if row["skipped"] is not None:
+                results.append(row)
+                continue
+            exact, tok_acc, logprob = [], [], []
+            by_length: dict[int, list] = {}
+            for item in built:
+                by_length.setdefault(len(item[0]), []).append(item)
+            for length, group in by_length.items():
+                for start in range(0, len(group), batch_size):
+                    chunk = group[start : start + batch_size]
+                    keep = max(len(target) for _, _, target in chunk) + 1
+                    input_ids = torch.tensor([seq for seq, _, _ in chunk], device=device)
+                    logits = model(input_ids=input_ids, use_cache=False, logits_to_keep=keep).logits
+                    logits = logits[:, -keep:].float()  # models that ignore logits_to_keep return all positions
+                    for i, (seq, n_context, target) in enumerate(chunk):
+                        first = keep - 1 - (length - n_context)  # index of the step that predicts target[0]
+                        lg = logits[i, first : first + len(target)]
+                        tgt = torch.tensor(target, device=device)
+                        pred = lg.argmax(-1)
+                        exact.append(float(bool((pred == tgt).all())))
+                        scored = _scored_positions(tokenizer, target)
+                        tok_acc.append(float((pred == tgt)[scored].float().mean()))
+                        logprob.append(float(torch.log_softmax(lg, -1).gather(-1, tgt[:, None]).mean()))
+            row["accuracy"] = sum(exact) / len(exact)
+            row["token_accuracy"] = sum(tok_acc) / len(tok_acc)
+            row["key_logprob"] = sum(logprob) / len(logprob)
             results.append(row)
+    key_desc = f"{key_digits} digits" if key_format == "digits" else key_format
     return {
-        "task": f"passkey ({key_digits} digits), exact match of greedy decoding, teacher-forced",
+        "task": f"passkey ({key_desc}), wording {wording!r}, exact match of greedy decoding, teacher-forced",
+        "wording": wording,
+        "key_format": key_format,
         "filler": filler_name,
         "n_trials": int(n_trials),
         "seed": int(seed),
@@ -556,42 +638,134 @@ def _model_name(model) -> str:
                type(model).__name__)
 
 
+def long_heldout_windows(tokenizer, sources, *, seq_len: int, num_heldout: int, long_length: int = 2048,
+                         seed: int = 0, **load_kwargs) -> torch.Tensor:
+    """Held-out windows of ``long_length`` tokens cut from the SAME held-out documents as
+    ``load_token_windows(tokenizer, sources, seq_len=seq_len, num_heldout=num_heldout, seed=seed)`` (the run's
+    evaluation windows), so they were never trained on either: :func:`~aaren_hf.conversion.data.load_token_windows`
+    holds out a prefix of the seed's document order just long enough for ``num_heldout * seq_len`` tokens, and
+    asking for ``num_heldout * seq_len // long_length`` windows of ``long_length`` asks for no more tokens, hence
+    the same prefix or a shorter one (checked). Returns [n, long_length]; pass it as ``evaluate(long_windows=...)``.
+    ``load_kwargs`` go to ``load_token_windows`` (``cache_dir``, ``add_bos``, ...), the same as the run's."""
+    from .data import load_token_windows
+
+    if long_length < 2 or seq_len < 2 or num_heldout < 1:
+        raise ValueError(f"need long_length >= 2, seq_len >= 2 and num_heldout >= 1, got {long_length}, {seq_len}, "
+                         f"{num_heldout}")
+    n = num_heldout * seq_len // long_length
+    if n < 1:
+        raise ValueError(f"{num_heldout} held-out windows of {seq_len} tokens hold less than one window of "
+                         f"{long_length}: raise the number of held-out windows to at least "
+                         f"{-(-long_length // seq_len)}")
+    run = load_token_windows(tokenizer, sources, seq_len=seq_len, num_train=0, num_heldout=num_heldout, seed=seed,
+                             **load_kwargs)
+    long = load_token_windows(tokenizer, sources, seq_len=long_length, num_train=0, num_heldout=n, seed=seed,
+                              **load_kwargs)
+    if not set(long.heldout_documents) <= set(run.heldout_documents):  # never happens with the prefix rule
+        raise RuntimeError("the long held-out windows would include training documents")
+    return long.heldout
+
+
+def _unpack_windows(windows, text_source=None, stride=None):
+    """(tensor [N, L], text_source, stride) from a tensor or a dict with ``input_ids``/``windows`` and optionally
+    ``source``/``text_source`` and ``stride``."""
+    if isinstance(windows, dict):
+        text_source = text_source or windows.get("source") or windows.get("text_source")
+        stride = stride or windows.get("stride")
+        windows = windows.get("input_ids", windows.get("windows"))
+    return _as_windows(windows), text_source, stride
+
+
+class _Timer:
+    """Seconds spent per part, reported with the results (the evaluation has to fit the main command's budget)."""
+
+    def __init__(self):
+        self.seconds: dict = {}
+
+    @contextlib.contextmanager
+    def part(self, section: str, name: str):
+        t0 = time.time()
+        try:
+            yield
+        finally:
+            self.seconds.setdefault(section, {})[name] = round(time.time() - t0, 1)
+
+
 @torch.no_grad()
 def evaluate(student, teacher, tokenizer, heldout_windows, *, sinks: int = 1, window=None,
-             recall_distances: Sequence[int] = DEFAULT_RECALL_DISTANCES, recall_trials: int = 5,
-             batch_size: int = 4, long_range_from: int = 256, prompts: Sequence[str] = DEFAULT_PROMPTS,
-             max_new_tokens: int = 32, contexts: Sequence[int] = (4096, 32768, 131072), text_source: Optional[str] = None,
-             stride: Optional[int] = None, quick: bool = False, seed: int = 0, log=None) -> dict:
-    """Teacher vs student vs StreamingLLM baseline(s), all on the same held-out windows.
+             recall_distances: Optional[Sequence[int]] = None, recall_trials: int = 5, batch_size: int = 4,
+             long_range_from: int = 256, prompts: Sequence[str] = DEFAULT_PROMPTS, max_new_tokens: int = 32,
+             contexts: Sequence[int] = (4096, 32768, 131072), text_source: Optional[str] = None,
+             stride: Optional[int] = None, quick: bool = False, seed: int = 0, log=None,
+             long_windows=None, max_long_windows: Optional[int] = None, buckets: Optional[Sequence[int]] = None,
+             recall_multiples: Sequence[int] = DEFAULT_RECALL_MULTIPLES, recall_wordings: Sequence[str] = ("passkey",),
+             retention: bool = False) -> dict:
+    """Teacher vs student vs constant-memory baselines, all on the same held-out windows.
 
     ``heldout_windows``: [N, L] token ids (non-overlapping windows of held-out text), or a dict with ``input_ids`` (or
     ``windows``) and optionally ``source`` / ``stride``. ``text_source`` and ``stride`` (default L: non-overlapping)
-    are reported with the numbers.
+    are reported with the numbers. ``long_windows`` (same forms, e.g. 2,048-token windows of the same held-out
+    documents): every model is also scored on them, at most ``max_long_windows`` of them (the cost grows with their
+    number: bound it here). ``buckets``: position edges for perplexity by position (default
+    :func:`position_buckets` of the student's window: 0, W, 4W, 16W, ...).
 
-    Baselines (teacher + ``sinks`` sink tokens + a window, untrained): always the equal-memory window
-    (:func:`equal_memory_window`, the student's state bytes); plus ``window`` (an int or a list of ints) when given,
-    else the student's own ``window_size`` when it has one and it differs.
+    Models: the teacher; the student; StreamingLLM baselines (teacher + ``sinks`` sink tokens + a window,
+    untrained): always the equal-memory window (:func:`equal_memory_window`, the student's state bytes from
+    :func:`aaren_state_bytes`); plus ``window`` (an int or a list of ints) when given, else the student's own
+    ``window_size`` when it has one and it differs; and, with ``retention``, the training-free retention baseline at
+    equal memory (:mod:`.retention_baseline`: the same sinks, the student's window, TOVA-kept tokens with the rest
+    of the bytes; it costs about one more teacher pass per window set, and is off by default only so that callers
+    written before it see the same models).
 
-    ``quick``: at most 4 windows, 2 recall trials at distances <= 512, one sample prompt of 16 tokens.
-    ``log``: None (stderr), a callable taking a message, or False (silent).
-    Returns a JSON-serialisable dict; render it with :func:`format_table`.
+    Recall: passkeys at ``recall_distances`` tokens, by default ``recall_multiples`` (4, 16, 32) times the
+    student's window (:data:`DEFAULT_RECALL_DISTANCES` for a student without one), ``recall_trials`` each, in each
+    of ``recall_wordings`` (held-out evaluation wordings, :data:`aaren_hf.conversion.recall.EVAL_WORDINGS`).
+
+    ``quick``: at most 4 windows and 1 long window, 2 recall trials at distances <= 512, one sample prompt of 16
+    tokens. ``log``: None (stderr), a callable taking a message, or False (silent).
+    Returns a JSON-serialisable dict (``seconds_by_part`` says where the time went); render it with
+    :func:`format_table`.
     """
+    from .retention_baseline import equal_memory_retention, retention_baseline
+
     say = _log_fn(log)
     started = time.time()
-    if isinstance(heldout_windows, dict):
-        text_source = text_source or heldout_windows.get("source") or heldout_windows.get("text_source")
-        stride = stride or heldout_windows.get("stride")
-        heldout_windows = heldout_windows.get("input_ids", heldout_windows.get("windows"))
-    windows = _as_windows(heldout_windows)
+    timer = _Timer()
+    windows, text_source, stride = _unpack_windows(heldout_windows, text_source, stride)
+    long = None
+    if long_windows is not None:
+        long, _, _ = _unpack_windows(long_windows)
+        if max_long_windows is not None:
+            if max_long_windows < 0:
+                raise ValueError(f"max_long_windows must be >= 0, got {max_long_windows}")
+            long = long[:max_long_windows]
+        if long.shape[0] == 0:
+            long = None
+    if recall_trials < 1:
+        raise ValueError(f"recall_trials must be >= 1, got {recall_trials}")
+    student_window = int(student.config.window_size)
+    if recall_distances is None:
+        if student_window >= 1:
+            recall_distances = [int(m) * student_window for m in recall_multiples]
+        else:
+            recall_distances = list(DEFAULT_RECALL_DISTANCES)
+    recall_distances = list(recall_distances)
+    if not recall_distances or any(int(d) < 0 for d in recall_distances):
+        raise ValueError(f"recall distances must be a non-empty list of tokens >= 0, got {recall_distances}")
     if quick:
         windows = windows[:4]
+        long = long[:1] if long is not None else None
         recall_trials = min(recall_trials, 2)
-        recall_distances = [d for d in recall_distances if d <= 512] or list(recall_distances)[:1]
+        recall_distances = [d for d in recall_distances if d <= 512] or recall_distances[:1]
         prompts = list(prompts)[:1]
         max_new_tokens = min(max_new_tokens, 16)
     N, L = windows.shape
     long_range_from = min(long_range_from, L - 1)
     kv_dtype = _param_dtype(student)
+    if buckets is None:
+        buckets = position_buckets(student_window, max(L, long.shape[1] if long is not None else 0))
+    # long windows in batches of about as many tokens as the main ones (memory: [batch, L, vocab] logits)
+    long_batch = max(1, batch_size * L // long.shape[1]) if long is not None else None
 
     results = {
         "setup": {
@@ -600,11 +774,14 @@ def evaluate(student, teacher, tokenizer, heldout_windows, *, sinks: int = 1, wi
             "stride": int(stride or L),
             "tokens": int(N * L),
             "predicted_tokens": int(N * (L - 1)),
+            "long_windows": int(long.shape[0]) if long is not None else 0,
+            "long_window_length": int(long.shape[1]) if long is not None else None,
             "text_source": text_source or "unspecified",
             "long_range_from": int(long_range_from),
+            "position_buckets": [int(b) for b in buckets],
             "teacher": _model_name(teacher),
             "student": _model_name(student),
-            "student_window": int(student.config.window_size),
+            "student_window": student_window,
             "student_sinks": int(student.config.num_sink_tokens),
             "kv_dtype": str(kv_dtype).replace("torch.", ""),
             "quick": bool(quick),
@@ -615,53 +792,79 @@ def evaluate(student, teacher, tokenizer, heldout_windows, *, sinks: int = 1, wi
     equal = equal_memory_window(student.config, teacher.config, sinks, kv_dtype)
     results["equal_memory"] = equal
     extra = [window] if isinstance(window, int) else list(window or [])
-    if window is None and student.config.window_size > 0:
-        extra = [student.config.window_size]
+    if window is None and student_window > 0:
+        extra = [student_window]
     baseline_windows = [equal["window"]] + [w for w in extra if w != equal["window"]]
     if quick:
         baseline_windows = baseline_windows[:1]
     per_token = teacher_kv_bytes_per_token(teacher.config, kv_dtype)
-
-    say(f"perplexity on {N} x {L} tokens: teacher")
-    models = [{"name": "teacher", "kind": "teacher", "memory_bytes": per_token * L, "memory_note": f"KV at {L} tokens, grows"}]
-    models[0]["ppl"] = perplexity(teacher, windows, batch_size, long_range_from)
-    say("perplexity: student")
     memory = state_bytes_table(student, teacher.config, contexts, kv_dtype=kv_dtype, baseline=equal)
-    models.append({"name": "student (Aaren)", "kind": "student", "memory_bytes": memory["student_state_bytes"],
-                   "memory_note": "constant", "ppl": perplexity(student, windows, batch_size, long_range_from)})
-    baselines = {}
-    for w in baseline_windows:
-        base = streaming_llm_baseline(teacher, sinks, w)
-        tag = ("equal memory" if w == equal["window"] else
-               "student's window" if w == student.config.window_size else "chosen window")
-        say(f"perplexity: StreamingLLM baseline S={sinks} W={w} ({tag})")
-        entry = {"name": f"teacher, StreamingLLM S={sinks} W={w} ({tag})", "kind": "baseline", "sinks": sinks,
-                 "window": w, "memory_bytes": base.kv_bytes(kv_dtype), "memory_note": "constant",
-                 "ppl": perplexity(base, windows, batch_size, long_range_from)}
-        models.append(entry)
-        baselines[entry["name"]] = base
-    teacher_ppl = models[0]["ppl"]["ppl"]
-    for m in models:
-        m["ratio_to_teacher"] = m["ppl"]["ppl"] / teacher_ppl
-    results["perplexity"] = models
     results["memory"] = memory
+
+    models = [
+        ({"name": "teacher", "kind": "teacher", "memory_bytes": per_token * L,
+          "memory_note": f"KV at {L} tokens, grows"}, teacher),
+        ({"name": "student (Aaren)", "kind": "student", "memory_bytes": memory["student_state_bytes"],
+          "memory_note": "constant"}, student),
+    ]
+    for w in baseline_windows:
+        tag = ("equal memory" if w == equal["window"] else
+               "student's window" if w == student_window else "chosen window")
+        base = streaming_llm_baseline(teacher, sinks, w)
+        models.append(({"name": f"teacher, StreamingLLM S={sinks} W={w} ({tag})", "kind": "baseline",
+                        "sinks": sinks, "window": w, "memory_bytes": base.kv_bytes(kv_dtype),
+                        "memory_note": "constant"}, base))
+    if retention:
+        kept = equal_memory_retention(student.config, teacher.config, sinks, kv_dtype=kv_dtype)
+        results["equal_memory_retention"] = kept
+        base = retention_baseline(teacher, kept["sinks"], kept["window"], kept["memory"])
+        models.append(({"name": f"teacher, TOVA S={kept['sinks']} W={kept['window']} M={kept['memory']} "
+                                "(equal memory)", "kind": "retention", "sinks": kept["sinks"],
+                        "window": kept["window"], "memory": kept["memory"], "memory_bytes": base.kv_bytes(kv_dtype),
+                        "memory_note": "constant"}, base))
+
+    for entry, model in models:
+        # the retention baseline holds no [batch, L, vocab] logits, and its step-by-step scan is mostly per-step
+        # overhead (measured: 16 sequences cost 3.2x one): it takes up to 16 windows at a time
+        wide = 16 if entry["kind"] == "retention" else 1
+        say(f"perplexity on {N} x {L} tokens: {entry['name']}")
+        with timer.part("perplexity", entry["name"]):
+            entry["ppl"] = perplexity(model, windows, max(batch_size, wide), long_range_from, buckets)
+        entry["ppl_long"] = None
+        if long is not None:
+            say(f"perplexity on {long.shape[0]} x {long.shape[1]} tokens: {entry['name']}")
+            with timer.part("perplexity_long", entry["name"]):
+                entry["ppl_long"] = perplexity(model, long, max(long_batch, wide), long_range_from, buckets)
+    teacher_ppl = models[0][0]["ppl"]["ppl"]
+    teacher_long = models[0][0]["ppl_long"]["ppl"] if long is not None else None
+    for entry, _ in models:
+        entry["ratio_to_teacher"] = entry["ppl"]["ppl"] / teacher_ppl
+        entry["ratio_to_teacher_long"] = entry["ppl_long"]["ppl"] / teacher_long if long is not None else None
+    results["perplexity"] = [entry for entry, _ in models]
 
     filler = windows.reshape(-1)
     results["recall"] = []
-    for name, model in [("teacher", teacher), ("student (Aaren)", student)] + list(baselines.items()):
-        say(f"recall probe: {name}")
-        probe = recall_probe(model, tokenizer, recall_distances, recall_trials, seed, filler_ids=filler)
-        probe["name"] = name
-        if isinstance(model, StreamingLLMBaseline):
-            probe["window"], probe["sinks"] = model.window, model.sinks
-        results["recall"].append(probe)
+    for wording in recall_wordings:
+        for entry, model in models:
+            say(f"recall probe ({wording}): {entry['name']}")
+            with timer.part("recall", f"{entry['name']} / {wording}"):
+                probe = recall_probe(model, tokenizer, recall_distances, recall_trials, seed, filler_ids=filler,
+                                     wording=wording, batch_size=batch_size)
+            probe["name"] = entry["name"]
+            for field in ("window", "sinks", "memory"):
+                if field in entry:
+                    probe[field] = entry[field]
+            probe["window_multiple"] = [d / student_window if student_window else None for d in recall_distances]
+            results["recall"].append(probe)
 
     say("samples")
-    results["samples"] = {
-        "max_new_tokens": int(max_new_tokens),
-        "teacher": sample_generations(teacher, tokenizer, prompts, max_new_tokens),
-        "student": sample_generations(student, tokenizer, prompts, max_new_tokens),
-    }
+    with timer.part("samples", "teacher and student"):
+        results["samples"] = {
+            "max_new_tokens": int(max_new_tokens),
+            "teacher": sample_generations(teacher, tokenizer, prompts, max_new_tokens),
+            "student": sample_generations(student, tokenizer, prompts, max_new_tokens),
+        }
+    results["seconds_by_part"] = timer.seconds
     results["seconds"] = round(time.time() - started, 1)
     say(f"evaluation done in {results['seconds']} s")
     return results
@@ -674,6 +877,70 @@ def evaluate(student, teacher, tokenizer, heldout_windows, *, sinks: int = 1, wi
 
 def _md_cell(text: str) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _position_table(models: list) -> list:
+    """Perplexity by position (on the long windows when there are some): rows models, columns position buckets."""
+    key = "ppl_long" if models[0].get("ppl_long") else "ppl"
+    spans = models[0][key].get("by_position") or []
+    if not spans:
+        return []
+    teacher = models[0][key]["by_position"]
+    out = [f"### Perplexity by position ({models[0][key]['window_length']}-token windows)", "",
+           "Targets grouped by their position in the window (= tokens of context). Cells: ppl (ratio to the "
+           "teacher's ppl in the same positions).", "",
+           "| model | " + " | ".join(f"positions {b['from']}-{b['to'] - 1}" for b in spans) + " |",
+           "|---|" + "---|" * len(spans)]
+    for m in models:
+        cells = [f"{_fmt(b['ppl'])} ({_fmt(b['ppl'] / t['ppl'])}x)" for b, t in zip(m[key]["by_position"], teacher)]
+        out.append(f"| {_md_cell(m['name'])} | " + " | ".join(cells) + " |")
+    return out + [""]
+
+
+def _recall_tables(probes: list, student_window: Optional[int]) -> list:
+    """One table per wording: rows distances, columns models."""
+    out = []
+    wordings = list(dict.fromkeys(p.get("wording", "passkey") for p in probes))
+    for wording in wordings:
+        group = [p for p in probes if p.get("wording", "passkey") == wording]
+        first = group[0]
+        out.append(f"### Recall over distance ({first.get('wording', 'passkey')})")
+        out.append("")
+        out.append(
+            f"{first['task']}; {first['n_trials']} trials per distance; filler: {first['filler']}. "
+            "Cells: exact-match accuracy (fraction of key tokens right). Distance: filler tokens between the key and "
+            "the question; key to answer: how far back the first answer step must look to see the key's first "
+            "token (a window needs W > this)."
+        )
+        out.append("")
+        names = [p["name"] for p in group]
+        per_w = bool(student_window)
+        out.append("| distance | " + ("x student window | " if per_w else "") + "key to answer | "
+                   + " | ".join(_md_cell(n) for n in names) + " |")
+        out.append("|---|" + ("---|" if per_w else "") + "---|" + "---|" * len(names))
+        for i, row in enumerate(first["results"]):
+            gap = next((p["results"][i]["key_to_answer"] for p in group if p["results"][i]["key_to_answer"]), None)
+            cells = []
+            for p in group:
+                r = p["results"][i]
+                if r["skipped"]:
+                    cells.append("n/a (beyond context)")
+                else:
+                    cells.append(f"{_fmt(r['accuracy'])} ({_fmt(r['token_accuracy'])})")
+            multiple = f"{_fmt(row['distance'] / student_window, 1)} | " if per_w else ""
+            out.append(f"| {row['distance']} | {multiple}{_fmt(gap)} | " + " | ".join(cells) + " |")
+        out.append("")
+    return out
+
+
+def _timing_lines(results: dict) -> list:
+    parts = results.get("seconds_by_part")
+    if not parts:
+        return []
+    text = "; ".join(f"{section.replace('_', ' ')} {sum(v.values()):.0f} s" for section, v in parts.items())
+    slowest = max(((s, n, sec) for s, v in parts.items() for n, sec in v.items()), key=lambda x: x[2])
+    return [f"Evaluation time: {results.get('seconds')} s ({text}; slowest part: {slowest[0].replace('_', ' ')} of "
+            f"{slowest[1]}, {slowest[2]:.0f} s).", ""]
 
 
 def format_table(results: dict) -> str:
@@ -691,17 +958,26 @@ def format_table(results: dict) -> str:
         out.append("")
 
     if results.get("perplexity"):
-        lr = results["perplexity"][0]["ppl"]["from_position"]
+        models = results["perplexity"]
+        lr = models[0]["ppl"]["from_position"]
+        long = models[0].get("ppl_long")
         out.append("### Perplexity")
         out.append("")
-        out.append(f"| model | ppl | ratio to teacher | ppl at positions >= {lr} | state / KV bytes |")
-        out.append("|---|---|---|---|---|")
-        for m in results["perplexity"]:
+        length = models[0]["ppl"]["window_length"]
+        head = f"| model | ppl ({length} tokens) | ratio to teacher | ppl at positions >= {lr} |"
+        rule = "|---|---|---|---|"
+        if long:
+            head += f" ppl ({long['window_length']} tokens) | ratio to teacher |"
+            rule += "---|---|"
+        out.append(head + " state / KV bytes |")
+        out.append(rule + "---|")
+        for m in models:
             p = m["ppl"]
-            out.append(
-                f"| {_md_cell(m['name'])} | {_fmt(p['ppl'])} | {_fmt(m['ratio_to_teacher'])}x | "
-                f"{_fmt(p['ppl_from_position'])} | {format_bytes(m['memory_bytes'])} ({m['memory_note']}) |"
-            )
+            line = (f"| {_md_cell(m['name'])} | {_fmt(p['ppl'])} | {_fmt(m['ratio_to_teacher'])}x | "
+                    f"{_fmt(p['ppl_from_position'])} |")
+            if long:
+                line += f" {_fmt(m['ppl_long']['ppl'])} | {_fmt(m['ratio_to_teacher_long'])}x |"
+            out.append(line + f" {format_bytes(m['memory_bytes'])} ({m['memory_note']}) |")
         eq = results.get("equal_memory")
         if eq:
             out.append("")
@@ -712,34 +988,20 @@ def format_table(results: dict) -> str:
                 + (" (clamped to 1: the student's state is smaller than that)" if eq.get("clamped") else "") + "."
                 " The baseline is the teacher, untrained, with a StreamingLLM attention mask at natural positions."
             )
+        kept = results.get("equal_memory_retention")
+        if kept:
+            out.append(
+                f"The retention baseline (TOVA) has the same bytes at most ({format_bytes(kept['baseline_kv_bytes'])}):"
+                f" {kept['sinks']} sink(s) + the student's window of {kept['window']} + {kept['memory']} tokens kept, "
+                "per layer, by TOVA's rule (when a token leaves the window and the memory is full, the one with the "
+                "lowest attention weight from the current query, averaged over the layer's heads, is dropped); the "
+                "teacher untrained, decoding token by token with that cache."
+            )
         out.append("")
+        out.extend(_position_table(models))
 
     if results.get("recall"):
-        probes = results["recall"]
-        out.append("### Recall over distance (passkey)")
-        out.append("")
-        first = probes[0]
-        out.append(
-            f"{first['task']}; {first['n_trials']} trials per distance; filler: {first['filler']}. "
-            "Cells: exact-match accuracy (fraction of key digits right). Distance: filler tokens between the key and "
-            "the question; key to answer: how far back the first answer step must look to see the key's first "
-            "digit (a window needs W > this)."
-        )
-        out.append("")
-        names = [p["name"] for p in probes]
-        out.append("| distance | key to answer | " + " | ".join(_md_cell(n) for n in names) + " |")
-        out.append("|---|---|" + "---|" * len(names))
-        for i, row in enumerate(first["results"]):
-            gap = next((p["results"][i]["key_to_answer"] for p in probes if p["results"][i]["key_to_answer"]), None)
-            cells = []
-            for p in probes:
-                r = p["results"][i]
-                if r["skipped"]:
-                    cells.append("n/a (beyond context)")
-                else:
-                    cells.append(f"{_fmt(r['accuracy'])} ({_fmt(r['token_accuracy'])})")
-            out.append(f"| {row['distance']} | {_fmt(gap)} | " + " | ".join(cells) + " |")
-        out.append("")
+        out.extend(_recall_tables(results["recall"], results.get("setup", {}).get("student_window")))
 
     mem = results.get("memory")
     if mem:
@@ -765,6 +1027,7 @@ def format_table(results: dict) -> str:
         )
         out.append("")
 
+    out.extend(_timing_lines(results))
     samples = results.get("samples")
     if samples:
         out.append(f"### Samples (greedy, {samples['max_new_tokens']} new tokens)")

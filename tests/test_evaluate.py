@@ -70,13 +70,26 @@ def test_perplexity_is_exp_mean_nll(teacher, student, windows):
             loss = model(input_ids=windows, labels=windows).loss  # HF's mean NLL over all shifted tokens
             logp = torch.log_softmax(model(input_ids=windows).logits[:, :-1].double(), -1)
         nll = -logp.gather(-1, windows[:, 1:, None]).squeeze(-1)  # [N, L-1], target index t+1
-        result = ev.perplexity(model, windows, batch_size=2, from_position=16)  # uneven last batch
+        result = ev.perplexity(model, windows, batch_size=2, from_position=16, buckets=[0, 8, 20, 100])
         assert result["tokens"] == 5 * 39
         assert result["ppl"] == pytest.approx(math.exp(loss.item()), rel=1e-5)
         assert result["ppl"] == pytest.approx(math.exp(nll.mean().item()), rel=1e-6)
         tail = nll[:, 15:]  # targets at positions >= 16
         assert result["tokens_from_position"] == tail.numel()
         assert result["ppl_from_position"] == pytest.approx(math.exp(tail.mean().item()), rel=1e-6)
+        # targets at positions [a, b) are columns a-1 .. b-2 of nll; the last edge is clipped to L = 40
+        spans = [(b["from"], b["to"], b["tokens"]) for b in result["by_position"]]
+        assert spans == [(0, 8, 5 * 7), (8, 20, 5 * 12), (20, 40, 5 * 20)]
+        for bucket, cols in zip(result["by_position"], (slice(0, 7), slice(7, 19), slice(19, 39))):
+            assert bucket["ppl"] == pytest.approx(math.exp(nll[:, cols].mean().item()), rel=1e-6)
+    with pytest.raises(ValueError, match="increasing"):
+        ev.perplexity(teacher, windows, buckets=[0, 20, 8])
+
+
+def test_position_buckets():
+    assert ev.position_buckets(64, 2048) == [0, 64, 256, 1024, 2048]
+    assert ev.position_buckets(64, 512) == [0, 64, 256, 512]
+    assert ev.position_buckets(0, 300) == [0, 64, 256, 300]  # no window: the ladder from 64
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -143,6 +156,125 @@ def test_streaming_baseline_refuses_flash_attention(teacher):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Retention baseline (TOVA), against a brute-force reference
+# ---------------------------------------------------------------------------------------------------------------
+
+_REFERENCE = {}  # the reference attention's per-layer masks and the last query's weights
+
+
+def _reference_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Full-prefix attention in float64 with a per-layer, per-query visibility mask ([B, T, T] bool)."""
+    mask = _REFERENCE["masks"][module.layer_idx]
+    groups = query.shape[1] // key.shape[1]
+    k = key.double().repeat_interleave(groups, 1)
+    v = value.double().repeat_interleave(groups, 1)
+    scores = (query.double() @ k.transpose(-1, -2)) * (scaling or query.shape[-1] ** -0.5)
+    weights = torch.softmax(scores.masked_fill(~mask[:, None], float("-inf")), -1)  # [B, H, T, T]
+    _REFERENCE["last"][module.layer_idx] = weights[:, :, -1]  # the newest query's weights, [B, H, T]
+    return (weights @ v).to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def tova_reference(teacher, ids, sinks, window, memory):
+    """Token-by-token TOVA written from the paper's rule, without a key store: at step t the whole prefix is run
+    again, every query row with the visibility it had at its own step (per layer: sinks, window, retained set);
+    then, per layer and sequence, a token leaving the window joins the retained set and, if that exceeds
+    ``memory``, the lowest-weight member (query t's weights averaged over heads) is dropped. Returns (logits of the
+    last run, which covers every position, and the retained sets)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("test_tova_reference", _reference_attention)
+    B, T = ids.shape
+    layers = teacher.config.num_hidden_layers
+    history = torch.zeros(layers, B, T, T, dtype=torch.bool)
+    kept = [[[] for _ in range(B)] for _ in range(layers)]
+    previous = teacher.config._attn_implementation
+    teacher.config._attn_implementation = "test_tova_reference"
+    try:
+        for t in range(T):
+            for layer in range(layers):
+                for b in range(B):
+                    visible = [j for j in range(t + 1) if j < sinks or t - window < j] + kept[layer][b]
+                    history[layer, b, t, visible] = True
+            _REFERENCE.update(masks=history[:, :, : t + 1, : t + 1], last={})
+            with torch.no_grad():
+                logits = teacher(input_ids=ids[:, : t + 1], use_cache=False).logits
+            leaving = t - window + 1
+            if leaving < sinks or memory == 0:
+                continue
+            for layer in range(layers):
+                weight = _REFERENCE["last"][layer].mean(1)  # [B, t + 1], averaged over the heads
+                for b in range(B):
+                    candidates = kept[layer][b] + [leaving]
+                    if len(candidates) > memory:
+                        candidates.remove(min(candidates, key=lambda j: float(weight[b, j])))
+                    kept[layer][b] = candidates
+    finally:
+        teacher.config._attn_implementation = previous
+    return logits, kept
+
+
+@pytest.mark.parametrize("make", [lambda: llama("sdpa"), neox], ids=["llama-gqa", "gpt-neox"])
+def test_retention_baseline_matches_reference(make):
+    from aaren_hf.conversion.retention_baseline import RetentionBaseline
+
+    teacher = make()
+    ids = torch.randint(0, VOCAB, (3, 29), generator=torch.Generator().manual_seed(4))
+    for sinks, window, memory in ((2, 5, 3), (0, 3, 4), (1, 1, 2)):
+        base = RetentionBaseline(teacher, sinks, window, memory)
+        with torch.no_grad():
+            got = base(input_ids=ids).logits
+        want, kept = tova_reference(teacher, ids, sinks, window, memory)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        for layer, sets in enumerate(kept):
+            held = base.last_state.memory_positions[layer]
+            assert [sorted(row) for row in held.tolist()] == [sorted(s) for s in sets]
+        assert teacher.config._attn_implementation != "aaren_tova"  # restored
+    # different layers and sequences keep different tokens: the rule is per layer and sequence, not shared
+    assert len({tuple(sorted(s)) for sets in kept for s in sets}) > 1
+
+
+def test_retention_baseline_limits(teacher, windows):
+    from aaren_hf.conversion.retention_baseline import RetentionBaseline
+
+    L = windows.shape[1]
+    with torch.no_grad():
+        full = teacher(input_ids=windows).logits
+        roomy = RetentionBaseline(teacher, 1, 4, L)(input_ids=windows).logits  # nothing is ever evicted
+        no_memory = RetentionBaseline(teacher, 2, 6, 0)(input_ids=windows).logits
+        streaming = ev.streaming_llm_baseline(teacher, 2, 6)(input_ids=windows).logits
+        kept = RetentionBaseline(teacher, 2, 6, 3)
+        last = kept(input_ids=windows, logits_to_keep=5).logits
+        every = kept(input_ids=windows).logits
+    torch.testing.assert_close(roomy, full, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(no_memory, streaming, rtol=1e-5, atol=1e-5)  # M = 0 is the StreamingLLM cache
+    assert (every - streaming).abs().amax() > 1e-3  # the memory changes something
+    torch.testing.assert_close(last, every[:, -5:])
+    nll = kept.token_nll(windows, chunk=7)  # chunked LM head
+    want = -torch.log_softmax(every.double(), -1)[:, :-1].gather(-1, windows[:, 1:, None]).squeeze(-1)
+    torch.testing.assert_close(nll, want, rtol=1e-6, atol=1e-6)  # float32 log-softmax, as for the other models
+    result = ev.perplexity(kept, windows, batch_size=2)
+    assert result["ppl"] == pytest.approx(math.exp(want.mean().item()), rel=1e-6)
+    assert kept.kv_tokens == 2 + 5 + 3 and kept.kv_bytes() == 10 * 2 * 2 * 2 * 8 * 4
+
+
+def test_retention_baseline_bad_input(teacher, windows):
+    from aaren_hf.conversion.retention_baseline import RetentionBaseline
+
+    for args in ((-1, 4, 2), (1, 0, 2), (1, 4, -1)):
+        with pytest.raises(ValueError, match="sinks >= 0"):
+            RetentionBaseline(teacher, *args)
+    base = RetentionBaseline(teacher, 1, 4, 2)
+    with pytest.raises(ValueError, match="unpadded"):
+        base(input_ids=windows, attention_mask=torch.zeros_like(windows))
+    teacher.config._attn_implementation = "aaren_tova"
+    try:
+        with pytest.raises(RuntimeError, match="RetentionBaseline"):
+            teacher(input_ids=windows[:1, :4])
+    finally:
+        teacher.config._attn_implementation = "sdpa"
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Memory
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -176,6 +308,30 @@ def test_equal_memory_window_arithmetic():
     assert (four["window"], four["clamped"]) == (1, True)
     # GPT-2 style config (n_layer / n_head / n_embd, no kv heads)
     assert ev.teacher_kv_bytes_per_token(GPT2Config(n_embd=32, n_layer=2, n_head=4)) == 2 * 2 * 4 * 8 * 4
+
+
+def test_equal_memory_retention_arithmetic():
+    from aaren_hf.conversion.retention_baseline import equal_memory_retention
+
+    geometry = dict(vocab_size=64, hidden_size=576, intermediate_size=64, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, head_dim=64)
+    teacher_config = LlamaConfig(**geometry)
+    student_config = AarenConfig(**geometry, num_query_slots=4, window_size=64, num_sink_tokens=1)
+    # 3,245,280 student bytes = 70 teacher tokens (46,080 B each): 1 sink + 63 window tokens + 6 kept by TOVA
+    kept = equal_memory_retention(student_config, teacher_config, sinks=1)
+    assert (kept["sinks"], kept["window"], kept["memory"], kept["clamped"]) == (1, 64, 6, False)
+    assert kept["baseline_kv_bytes"] == 70 * 46_080 <= kept["student_state_bytes"]
+    assert kept["student_state_bytes"] == ev.aaren_state_bytes(student_config)
+    # a window wider than the bytes allow is shrunk, and nothing is left for memory
+    narrow = equal_memory_retention(student_config, teacher_config, sinks=1, window=100)
+    assert (narrow["window"], narrow["memory"], narrow["clamped"]) == (70, 0, True)
+    # no window (the paper's form: 70,200 B = 1 token): the sink only, a window of 1 (the current token)
+    paper = equal_memory_retention(AarenConfig(**geometry), teacher_config, sinks=1)
+    assert (paper["window"], paper["memory"]) == (1, 0)
+    # a student with no window but a large state: half the tokens to the window, the rest to memory
+    wide = equal_memory_retention(AarenConfig(**geometry, num_query_slots=64), teacher_config, sinks=1)
+    tokens = wide["student_state_bytes"] // 46_080
+    assert wide["window"] == (tokens - 1) // 2 + 1 and wide["sinks"] + wide["window"] - 1 + wide["memory"] == tokens
 
 
 def test_state_bytes_constant_kv_linear(student, teacher):
@@ -233,15 +389,94 @@ def test_recall_probe_exact_match_is_greedy(teacher, tokenizer):
     assert ev.recall_probe(Copier(teacher.config, 1), tokenizer, (8,), 3)["results"][0]["token_accuracy"] == 0.0
 
 
+class Recorder(torch.nn.Module):
+    """Records the sequences a probe scores (all logits zero)."""
+
+    def __init__(self, config, sinks=0):
+        super().__init__()
+        self.config, self.sinks, self.seen, self.w = config, sinks, [], torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, input_ids, **kwargs):
+        self.seen.extend(input_ids.tolist())
+        return type("Out", (), {"logits": torch.zeros(*input_ids.shape, VOCAB)})()
+
+
+def test_recall_probe_classic_wording_unchanged(teacher, tokenizer, windows):
+    """The default probe builds, token for token, the passkey test it always built: intro, key statement, a slice of
+    the filler, the question, the key."""
+    import random
+
+    recorder = Recorder(teacher.config, sinks=1)
+    ev.recall_probe(recorder, tokenizer, (12,), n_trials=2, seed=7, filler_ids=windows)
+    filler = windows.reshape(-1).tolist()
+    rng = random.Random(7)
+    draws = [(str(rng.randint(10_000, 99_999)), rng.randrange(len(filler))) for _ in range(2)]
+    for seq, (key, offset) in zip(recorder.seen, draws):
+        stretch = tokenizer.decode((filler[offset:] + filler)[:12])
+        assert tokenizer.decode(seq) == (
+            "There is a pass key hidden inside a lot of irrelevant text. Find it and remember it.\n"
+            f" The pass key is {key}. Remember it.\n{stretch}\nWhat is the pass key? The pass key is {key}")
+
+
+def test_recall_probe_batches_and_wordings(teacher, tokenizer, windows):
+    one = ev.recall_probe(teacher, tokenizer, (6, 20), n_trials=5, seed=2, filler_ids=windows, batch_size=1)
+    many = ev.recall_probe(teacher, tokenizer, (6, 20), n_trials=5, seed=2, filler_ids=windows, batch_size=3)
+    for a, b in zip(one["results"], many["results"]):
+        assert a["accuracy"] == b["accuracy"] and a["token_accuracy"] == b["token_accuracy"]
+        assert a["key_logprob"] == pytest.approx(b["key_logprob"], abs=1e-5)
+    recorder = Recorder(teacher.config)
+    room = ev.recall_probe(recorder, tokenizer, (10,), n_trials=3, seed=1, wording="room", key_format="hex")
+    assert room["wording"] == "room" and room["key_format"] == "hex"
+    for seq in recorder.seen:
+        text = tokenizer.decode(seq)
+        name = text.split(" is staying in room")[0].split()[-1]
+        assert f"In which room is {name} staying? Room" in text
+        key = text.rsplit("Room ", 1)[1]
+        assert len(key) >= 6 and f"{name} is staying in room {key}." in text  # asked for the key it was given
+    with pytest.raises(ValueError, match="evaluation wordings"):
+        ev.recall_probe(teacher, tokenizer, (4,), wording="code")  # a training template, not an evaluation one
+
+
+def test_long_heldout_windows_come_from_heldout_documents(tokenizer, tmp_path):
+    import re
+
+    from aaren_hf.conversion.data import load_token_windows
+
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    for i in range(60):  # document i: its marker word repeated, lengths varying between documents
+        (folder / f"doc{i:02d}.txt").write_text(" ".join([f"m{i:02d}x"] * (3 + i * 7 % 17)) + "\n")
+    args = dict(seq_len=16, num_heldout=12, seed=3, cache_dir=tmp_path / "cache")
+    run = load_token_windows(tokenizer, folder, num_train=None, **{k: v for k, v in args.items()})
+    long = ev.long_heldout_windows(tokenizer, folder, long_length=64, **args)
+    assert long.shape == (12 * 16 // 64, 64)
+    def found(windows):  # window by window: markers must not be glued across window boundaries
+        return {m for row in windows.tolist() for m in re.findall(r"m\d\dx", tokenizer.decode(row))}
+
+    markers, trained = found(long), found(run.train)
+    heldout = {f"m{int(run.documents[i].split('doc')[-1][:2]):02d}x" for i in run.heldout_documents}
+    assert markers and markers <= heldout and not markers & trained
+    with pytest.raises(ValueError, match="at least 8"):
+        ev.long_heldout_windows(tokenizer, folder, seq_len=16, num_heldout=3, long_length=128,
+                                cache_dir=tmp_path / "cache")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # evaluate, format_table, model card
 # ---------------------------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def results(student, teacher, tokenizer, windows):
-    return ev.evaluate(student, teacher, tokenizer, windows, sinks=1, recall_distances=(8, 32), quick=True,
-                       text_source="random tokens", contexts=(4096, 32768), log=False, max_new_tokens=4)
+def long_windows():
+    return torch.randint(0, VOCAB, (2, 72), generator=torch.Generator().manual_seed(5))
+
+
+@pytest.fixture(scope="module")
+def results(student, teacher, tokenizer, windows, long_windows):
+    # default recall distances: 4, 16 and 32 x the student's window of 8
+    return ev.evaluate(student, teacher, tokenizer, windows, sinks=1, quick=True, long_windows=long_windows,
+                       retention=True, text_source="random tokens", contexts=(4096, 32768), log=False,
+                       max_new_tokens=4)
 
 
 def test_evaluate_and_tables(results, windows):
@@ -250,15 +485,54 @@ def test_evaluate_and_tables(results, windows):
     json.dumps(results)  # serialisable
     s = results["setup"]
     assert (s["windows"], s["window_length"], s["stride"], s["tokens"]) == (4, 40, 40, 160)
+    assert (s["long_windows"], s["long_window_length"]) == (1, 72)  # quick: one long window
+    assert s["position_buckets"] == [0, 8, 32, 72]
     names = [m["name"] for m in results["perplexity"]]
     assert names[0] == "teacher" and names[1].startswith("student") and "StreamingLLM" in names[2]
-    assert results["perplexity"][0]["ratio_to_teacher"] == 1.0
-    assert all(m["ppl"]["window_length"] == 40 for m in results["perplexity"])
-    assert len(results["recall"]) == 3
+    # student: 2 layers x (Aaren state 288 B + 8 window/sink tokens x 136 B) = 2752 B = 10 teacher tokens (256 B)
+    assert names[3] == "teacher, TOVA S=1 W=8 M=2 (equal memory)"  # 1 + 8 - 1 + 2 = 10
+    kept = results["equal_memory_retention"]
+    assert kept["baseline_kv_bytes"] <= kept["student_state_bytes"] == results["memory"]["student_state_bytes"]
+    assert results["perplexity"][0]["ratio_to_teacher"] == 1.0 == results["perplexity"][0]["ratio_to_teacher_long"]
+    for m in results["perplexity"]:
+        assert m["ppl"]["window_length"] == 40 and m["ppl_long"]["window_length"] == 72
+        assert [(b["from"], b["to"]) for b in m["ppl_long"]["by_position"]] == [(0, 8), (8, 32), (32, 72)]
+        assert [(b["from"], b["to"]) for b in m["ppl"]["by_position"]] == [(0, 8), (8, 32), (32, 40)]
+    assert len(results["recall"]) == 4
+    for probe in results["recall"]:
+        assert [r["distance"] for r in probe["results"]] == [32, 128, 256]
+        assert probe["window_multiple"] == [4, 16, 32] and probe["wording"] == "passkey"
+    assert set(results["seconds_by_part"]) == {"perplexity", "perplexity_long", "recall", "samples"}
     text = ev.format_table(results)
-    for heading in ("### Perplexity", "### Recall over distance", "### Memory vs context", "### Samples"):
+    for heading in ("### Perplexity", "### Perplexity by position (72-token windows)", "### Recall over distance",
+                    "### Memory vs context", "### Samples"):
         assert heading in text
-    assert "random tokens" in text and "| 32768 |" in text
+    assert "random tokens" in text and "| 32768 |" in text and "TOVA" in text and "Evaluation time" in text
+    assert "| 128 | 16.0 |" in text  # distance, multiple of the window
+
+
+def test_format_table_reads_old_results(results):
+    """An evaluation.json written before long windows, buckets, wordings and TOVA still renders."""
+    import copy
+
+    old = copy.deepcopy(results)
+    for m in old["perplexity"]:
+        del m["ppl_long"], m["ratio_to_teacher_long"], m["ppl"]["by_position"]
+    for probe in old["recall"]:
+        del probe["wording"], probe["window_multiple"]
+    for key in ("equal_memory_retention", "seconds_by_part"):
+        del old[key]
+    text = ev.format_table(old)
+    assert "### Perplexity" in text and "### Recall over distance (passkey)" in text and "by position" not in text
+
+
+def test_evaluate_bad_arguments(student, teacher, tokenizer, windows, long_windows):
+    with pytest.raises(ValueError, match="recall_trials"):
+        ev.evaluate(student, teacher, tokenizer, windows, recall_trials=0, log=False)
+    with pytest.raises(ValueError, match="max_long_windows"):
+        ev.evaluate(student, teacher, tokenizer, windows, long_windows=long_windows, max_long_windows=-1, log=False)
+    with pytest.raises(ValueError, match="recall distances"):
+        ev.evaluate(student, teacher, tokenizer, windows, recall_distances=[], log=False)
 
 
 def test_model_card(tmp_path, results):
