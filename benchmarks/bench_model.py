@@ -160,7 +160,7 @@ def mixer_options(kind, shape):
 
     mixer = dict(DEFAULT_MIXER, **(TINY_MIXER if shape == "tiny" else {}))
     if kind == "aaren_nowin":
-        mixer.update(window_size=0, num_sink_tokens=0)
+        mixer.update(window_size=0, num_sink_tokens=0, memory_size=0)
     return mixer
 
 

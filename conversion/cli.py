@@ -173,7 +173,12 @@ def convert_parser() -> argparse.ArgumentParser:
     g.add_argument("--quick-eval", action="store_true", help="4 windows, 2 recall trials up to 512 tokens")
     g.add_argument("--eval-windows", type=_int(1), metavar="N", help="held-out windows scored (default: all)")
     g.add_argument("--recall-trials", type=_int(1), metavar="N", help="passkey trials per distance")
-    g.add_argument("--recall-distances", type=_distances, metavar="D,D,...", help="passkey distances in tokens")
+    g.add_argument("--recall-distances", type=_distances, metavar="D,D,...",
+                   help="passkey distances in tokens (default: 4, 16 and 32 x the window)")
+    g.add_argument("--recall-fraction", type=_float(0.0, 1.0, low_open=False), metavar="F",
+                   help="share of training windows that bury keys to recall later (default 0.25)")
+    g.add_argument("--long-seq-len", type=_int(16, 1 << 20), metavar="N",
+                   help="stage-2 and long evaluation window length (default 2048)")
     g.add_argument("--no-progress", action="store_true", help="no progress bars (log lines only)")
     g.add_argument("--cpu", action="store_true", help="run on the CPU even if a GPU is visible")
     g.add_argument("--threads", type=_int(1, 4096), metavar="N",
@@ -200,7 +205,13 @@ def eval_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=_int(0, 2**31 - 1), metavar="N", help="seed of the held-out split")
     p.add_argument("--quick", action="store_true", help="4 windows, 2 recall trials up to 512 tokens")
     p.add_argument("--recall-trials", type=_int(1), metavar="N", help="passkey trials per distance")
-    p.add_argument("--recall-distances", type=_distances, metavar="D,D,...", help="passkey distances in tokens")
+    p.add_argument("--recall-distances", type=_distances, metavar="D,D,...",
+                   help="passkey distances in tokens (default: 4, 16 and 32 x the student's window)")
+    p.add_argument("--long-seq-len", type=_int(16, 1 << 20), metavar="N",
+                   help="length of the long held-out windows (default: the conversion's, 2048)")
+    p.add_argument("--long-windows", type=_int(1), default=4, metavar="N", help="long held-out windows scored")
+    p.add_argument("--no-retention", action="store_true",
+                   help="skip the TOVA retention baseline (token-by-token decoding of the teacher; the slowest part)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     p.add_argument("--debug", action="store_true", help="show the traceback of expected errors too")
     return p
@@ -253,6 +264,7 @@ def options_from_args(args, parser):
         stage1={k: v for k, v in stage1.items() if v is not None},
         stage2={k: v for k, v in stage2.items() if v is not None},
         eval_windows=args.eval_windows, recall_trials=args.recall_trials, recall_distances=args.recall_distances,
+        recall_fraction=args.recall_fraction, long_seq_len=args.long_seq_len,
     )
     opts.resume, opts.overwrite, opts.keep_work = args.resume, args.overwrite, args.keep_work
     opts.eval, opts.eval_quick = not args.no_eval, args.quick_eval
@@ -382,9 +394,22 @@ def run_eval(argv: list[str]) -> int:
         kwargs["recall_trials"] = args.recall_trials
     if args.recall_distances:
         kwargs["recall_distances"] = args.recall_distances
+    from .evaluate import long_heldout_windows
+
+    long_len = args.long_seq_len or recorded.get("long_seq_len") or 2048
+    if student.config.position_embedding_type == "learned":
+        long_len = min(long_len, student.config.max_position_embeddings)
+    if long_len > seq_len:
+        try:
+            kwargs["long_windows"] = long_heldout_windows(
+                tokenizer, list(data), seq_len=seq_len, num_heldout=recorded.get("heldout_windows") or heldout,
+                long_length=long_len, seed=seed)
+        except ValueError as error:
+            print(f"aaren-convert eval: no long windows ({error})", file=sys.stderr)
     results = evaluate(student, teacher_model, tokenizer, windows.heldout[:heldout],
                        sinks=max(1, student.config.num_sink_tokens), quick=args.quick, seed=seed,
-                       text_source=", ".join(map(str, data)), **kwargs)
+                       text_source=", ".join(map(str, data)), max_long_windows=args.long_windows, window=[],
+                       retention=not args.no_retention, **kwargs)
     print(format_table(results))
     if args.json:
         from .train_state import atomic_write_json

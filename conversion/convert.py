@@ -89,8 +89,10 @@ class ConvertOptions:
     eval: bool = True
     eval_quick: bool = False
     eval_windows: Optional[int] = None  # held-out windows for the evaluation (None: all of heldout_windows)
+    recall_fraction: float = 0.25  # share of stage-1 and stage-2 windows that bury keys to recall (recall.py)
+    long_seq_len: int = 2048  # stage-2 window length (several times the mixer's window) and long evaluation length
     recall_trials: int = 3
-    recall_distances: tuple = (32, 128, 512, 2048)
+    recall_distances: Optional[tuple] = None  # None: 4, 16 and 32 x the student's window
     resume: bool = False
     overwrite: bool = False
     keep_work: bool = False
@@ -100,7 +102,7 @@ class ConvertOptions:
     def to_json(self) -> dict:
         out = asdict(self)
         out["data"] = list(self.data)
-        out["recall_distances"] = list(self.recall_distances)
+        out["recall_distances"] = list(self.recall_distances) if self.recall_distances else None
         return out
 
     def fingerprint(self) -> dict:
@@ -548,6 +550,55 @@ def _device_of(accelerator) -> torch.device:
     return accelerator.device if accelerator.device.type != "cpu" else torch.device("cpu")
 
 
+def long_length(opts: ConvertOptions, student_config) -> int:
+    """``long_seq_len``, capped by a learned position table (GPT-2: 1024)."""
+    if student_config.position_embedding_type == "learned":
+        return min(opts.long_seq_len, student_config.max_position_embeddings)
+    return opts.long_seq_len
+
+
+def _load_long_windows(tokenizer, opts: ConvertOptions, run_train_documents, L: int) -> Optional[torch.Tensor]:
+    """Training windows of ``long_seq_len`` tokens from the run's training documents only: holding out at least
+    as many tokens takes the same or a longer prefix of the seed's document order (data.load_token_windows), so
+    every held-out document of the run stays held out (checked). None when the text is too short."""
+    from .data import DataSourceError, load_token_windows
+
+    try:
+        long = load_token_windows(tokenizer, list(opts.data), seq_len=L, num_train=None,
+                                  num_heldout=-(-opts.heldout_windows * opts.seq_len // L), seed=opts.seed)
+    except DataSourceError:
+        return None
+    if not set(long.train_documents) <= set(run_train_documents):
+        raise ConversionError("internal: the long training windows would include held-out documents")
+    return long.train[: max(1, opts.train_windows * opts.seq_len // L)] if long.train.shape[0] else None
+
+
+def training_windows(tokenizer, opts: ConvertOptions, train, long_train, window: int, say):
+    """(stage-1 windows, stage-2 windows): the text windows with ``recall_fraction`` of them replaced by sequences
+    that bury keys in training text and ask for them later (recall.make_recall_windows; the wordings the
+    evaluation asks with are never used). Stage 2 trains on ``long_seq_len`` tokens when there is text for it, so
+    the recall distances (4-32 x the window) fit and the window cannot cover them."""
+    from .recall import make_recall_windows
+
+    n1 = min(opts.stage1.windows or train.shape[0], train.shape[0])
+    stage1, stage2 = train, long_train if long_train is not None else train
+    if opts.recall_fraction <= 0 or window == 0:
+        return stage1, stage2
+    r1 = int(round(opts.recall_fraction * n1))
+    if r1:  # a 512-token window holds gaps of 2-6 x a 64-token window
+        rec = make_recall_windows(tokenizer, train, r1, train.shape[1], window, seed=opts.seed, min_multiple=2,
+                                  max_multiple=6, max_items=2)
+        stage1 = torch.cat([train[: n1 - r1], rec, train[n1:]])
+    r2 = int(round(opts.recall_fraction * stage2.shape[0]))
+    if r2:
+        rec = make_recall_windows(tokenizer, train, r2, stage2.shape[1], window, seed=opts.seed + 1)
+        stage2 = torch.cat([stage2[: stage2.shape[0] - r2], rec])
+        stage2 = stage2[torch.randperm(stage2.shape[0], generator=torch.Generator().manual_seed(opts.seed))]
+    say(f"data: recall-bearing windows: {r1} of {n1} in stage 1, {r2} of {stage2.shape[0]} in stage 2 "
+        f"({stage2.shape[1]} tokens each)")
+    return stage1, stage2
+
+
 def _load_windows(tokenizer, opts: ConvertOptions, say):
     from .data import load_token_windows
 
@@ -561,7 +612,7 @@ def _load_windows(tokenizer, opts: ConvertOptions, say):
         say(f"data: only {train.shape[0]} training windows of {opts.seq_len} tokens available "
             f"({opts.train_windows} asked); using all of them")
     train = train[: opts.train_windows]
-    return train, windows.heldout, windows.info
+    return train, windows.heldout, {**windows.info, "train_documents": windows.train_documents}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -621,6 +672,15 @@ def convert(opts: ConvertOptions, accelerator=None) -> Optional[Path]:
         student = build_student(teacher, opts.mixer)
         say(f"student: {json.dumps(opts.mixer)}; "
             f"{sum(p.numel() for p in student.parameters()) / 1e6:.1f}M parameters")
+        long_train, L = None, long_length(opts, student.config)
+        if L > opts.seq_len and opts.stage2.steps > 0:
+            with accelerator.main_process_first():
+                long_train = _load_long_windows(tokenizer, opts, data_info.pop("train_documents"), L)
+            if long_train is None:
+                say(f"data: too little text for stage-2 windows of {L} tokens; stage 2 uses {opts.seq_len}")
+        data_info.pop("train_documents", None)
+        stage1_train, stage2_train = training_windows(tokenizer, opts, train, long_train,
+                                                      student.config.window_size, say)
 
         # --- initialisation -------------------------------------------------------------------------------------
         training = True
@@ -654,7 +714,8 @@ def convert(opts: ConvertOptions, accelerator=None) -> Optional[Path]:
         # --- stage 1 --------------------------------------------------------------------------------------------
         stage1_summary = None
         if opts.stage1.steps > 0:
-            stage1_summary = run_stage1(student, teacher, train, heldout, opts.stage1, seed=opts.seed, work_dir=work,
+            stage1_summary = run_stage1(student, teacher, stage1_train, heldout, opts.stage1, seed=opts.seed,
+                                        work_dir=work,
                                         accelerator=accelerator, log=say, progress_factory=progress)
             if main:
                 ts.atomic_write_json(work / "stage1.json", stage1_summary)
@@ -665,7 +726,7 @@ def convert(opts: ConvertOptions, accelerator=None) -> Optional[Path]:
         # --- stage 2 --------------------------------------------------------------------------------------------
         stage2_summary = None
         if opts.stage2.steps > 0:
-            student, stage2_summary = run_stage2(student, teacher, train, heldout, opts.stage2, seed=opts.seed,
+            student, stage2_summary = run_stage2(student, teacher, stage2_train, heldout, opts.stage2, seed=opts.seed,
                                                  work_dir=work, accelerator=accelerator, log=say,
                                                  progress_factory=progress)
         student.eval()
@@ -754,10 +815,21 @@ def run_evaluation(student, teacher, tokenizer, heldout, opts: ConvertOptions, d
     t0 = time.time()
     say(f"evaluation: {windows.shape[0]} held-out windows of {windows.shape[1]} tokens"
         + (" (quick)" if opts.eval_quick else ""))
+    long, L = None, long_length(opts, student.config)
+    if L > windows.shape[1]:
+        from .evaluate import long_heldout_windows
+
+        try:
+            long = long_heldout_windows(tokenizer, list(opts.data), seq_len=opts.seq_len,
+                                        num_heldout=opts.heldout_windows, long_length=L,
+                                        seed=opts.seed)
+        except ValueError as error:
+            say(f"evaluation: no long windows ({error})")
     results = evaluate(student, teacher, tokenizer, windows, sinks=max(1, student.config.num_sink_tokens),
-                       recall_distances=tuple(opts.recall_distances), recall_trials=opts.recall_trials,
-                       quick=opts.eval_quick, seed=opts.seed, text_source=", ".join(map(str, opts.data)),
-                       log=say)
+                       recall_distances=tuple(opts.recall_distances) if opts.recall_distances else None,
+                       recall_trials=opts.recall_trials, quick=opts.eval_quick, seed=opts.seed,
+                       text_source=", ".join(map(str, opts.data)), log=say, long_windows=long, max_long_windows=4,
+                       window=[], retention=True)
     say(f"evaluation: {time.time() - t0:.0f} s")
     try:
         from .evaluate import format_table
