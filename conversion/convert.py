@@ -584,18 +584,26 @@ def training_windows(tokenizer, opts: ConvertOptions, train, long_train, window:
     stage1, stage2 = train, long_train if long_train is not None else train
     if opts.recall_fraction <= 0 or window == 0:
         return stage1, stage2
-    r1 = int(round(opts.recall_fraction * n1))
-    if r1:  # a 512-token window holds gaps of 2-6 x a 64-token window
-        rec = make_recall_windows(tokenizer, train, r1, train.shape[1], window, seed=opts.seed, min_multiple=2,
-                                  max_multiple=6, max_items=2)
-        stage1 = torch.cat([train[: n1 - r1], rec, train[n1:]])
-    r2 = int(round(opts.recall_fraction * stage2.shape[0]))
-    if r2:
-        rec = make_recall_windows(tokenizer, train, r2, stage2.shape[1], window, seed=opts.seed + 1)
-        stage2 = torch.cat([stage2[: stage2.shape[0] - r2], rec])
+
+    def recall(n, length, seed, **kw):
+        try:
+            return make_recall_windows(tokenizer, train, n, length, window, seed=seed, **kw) if n else None
+        except ValueError as error:  # windows too short for a key, a gap of a few W and a question
+            say(f"data: no recall-bearing windows of {length} tokens ({error})")
+            return None
+
+    # a 512-token window holds gaps of 2-6 x a 64-token window; stage 2's long windows the full 4-32 x
+    rec1 = recall(int(round(opts.recall_fraction * n1)), train.shape[1], opts.seed, min_multiple=2, max_multiple=6,
+                  max_items=2)
+    if rec1 is not None:
+        stage1 = torch.cat([train[: n1 - rec1.shape[0]], rec1, train[n1:]])
+    rec2 = recall(int(round(opts.recall_fraction * stage2.shape[0])), stage2.shape[1], opts.seed + 1)
+    if rec2 is not None:
+        stage2 = torch.cat([stage2[: stage2.shape[0] - rec2.shape[0]], rec2])
         stage2 = stage2[torch.randperm(stage2.shape[0], generator=torch.Generator().manual_seed(opts.seed))]
-    say(f"data: recall-bearing windows: {r1} of {n1} in stage 1, {r2} of {stage2.shape[0]} in stage 2 "
-        f"({stage2.shape[1]} tokens each)")
+    count = lambda rec: 0 if rec is None else rec.shape[0]  # noqa: E731
+    say(f"data: recall-bearing windows: {count(rec1)} of {n1} in stage 1, {count(rec2)} of {stage2.shape[0]} in "
+        f"stage 2 ({stage2.shape[1]} tokens each)")
     return stage1, stage2
 
 

@@ -90,3 +90,30 @@ def test_conversion_with_memory_and_sliding_layers(tiny, tmp_path):  # noqa: F81
             o = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
             steps.append(o.logits)
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-4, rtol=0)
+
+
+def test_long_training_windows_come_from_training_documents_and_carry_recall(tiny):  # noqa: F811
+    """Stage 2's long windows are cut from the run's training documents only (never a held-out one), and the
+    requested share of stage-1 and stage-2 windows is recall-bearing."""
+    from aaren_hf.conversion.convert import _load_long_windows, _load_windows, training_windows
+    from aaren_hf.conversion.data import load_token_windows
+    from test_conversion import make_tokenizer
+
+    teacher, data = tiny
+    tok = make_tokenizer()
+    opts = tiny_options(teacher, data, "unused", seq_len=96, train_windows=8, long_seq_len=192, recall_fraction=0.5)
+    train, heldout, info = _load_windows(tok, opts, lambda m: None)
+    long = _load_long_windows(tok, opts, info["train_documents"], 192)
+    assert long is not None and long.shape[1] == 192
+    run = load_token_windows(tok, list(opts.data), seq_len=96, num_heldout=opts.heldout_windows, seed=opts.seed)
+    held_text = {tuple(w.tolist()) for w in run.heldout}
+    pieces = {tuple(w[i : i + 96].tolist()) for w in long for i in range(0, 97)}
+    assert not held_text & pieces  # no held-out window appears inside a long training window
+    messages = []
+    s1, s2 = training_windows(tok, opts, train, long, window=8, say=messages.append)
+    n1 = opts.stage1.windows
+    assert s1.shape == train.shape and torch.equal(s1[: n1 // 2], train[: n1 // 2])
+    assert not torch.equal(s1[n1 // 2 : n1], train[n1 // 2 : n1])  # half of the captured windows bury keys
+    assert s2.shape == long.shape and "recall-bearing windows" in messages[0]
+    rows = {tuple(w.tolist()) for w in long}
+    assert sum(tuple(w.tolist()) not in rows for w in s2) == round(0.5 * long.shape[0])
