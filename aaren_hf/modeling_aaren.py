@@ -768,9 +768,8 @@ class AarenModel(AarenPreTrainedModel):
         if cache is not None:
             cache.seen_tokens += T
             cache.real_tokens = start + mask.long().sum(1)
-        return BaseModelOutputWithPast(
-            last_hidden_state=hidden_states, past_key_values=cache, hidden_states=all_hidden
-        )
+        out = BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=cache, hidden_states=all_hidden)
+        return out if return_dict is not False else out.to_tuple()
 
 
 class AarenForCausalLM(AarenPreTrainedModel, GenerationMixin):
@@ -836,9 +835,10 @@ class AarenForCausalLM(AarenPreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(
+        out = CausalLMOutputWithPast(
             loss=loss, logits=logits, past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states
         )
+        return out if return_dict is not False else out.to_tuple()
 
 
 __all__ = ["AarenCache", "AarenForCausalLM", "AarenModel", "AarenPreTrainedModel", "AarenMixer"]

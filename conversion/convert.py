@@ -127,18 +127,13 @@ def options_from_recipe(name: str, **overrides) -> ConvertOptions:
         if getattr(b, attr, None) is not None:
             setattr(stage1, key, getattr(b, attr))
     stage2 = Stage2Options(steps=b.stage2_steps, lr=b.stage2_lr, batch_size=b.batch_size)
-    for attr, key in (("stage2_micro_batch_size", "micro_batch_size"), ("trainable", "trainable"),
-                      ("ce_weight", "ce_weight"), ("stage2_seq_len", "seq_len")):
-        if getattr(b, attr, None) is not None:
-            setattr(stage2, key, getattr(b, attr))
     opts = ConvertOptions(
         teacher=None, recipe=recipe.name, data=tuple(recipe.data), seq_len=seq_len,
         train_windows=max(1, b.data_tokens // seq_len), heldout_windows=b.heldout_windows,
         mixer=dict(recipe.mixer), stage1=stage1, stage2=stage2,
     )
-    for attr in ("init_windows", "eval_windows", "recall_trials"):
-        if getattr(b, attr, None) is not None:
-            setattr(opts, attr, getattr(b, attr))
+    if b.recall_trials is not None:
+        opts.recall_trials = b.recall_trials
     return apply_overrides(opts, **overrides)
 
 
@@ -814,11 +809,8 @@ def _share_string(value: Optional[str], accelerator) -> Optional[str]:
 
 
 def run_evaluation(student, teacher, tokenizer, heldout, opts: ConvertOptions, data_info: dict, say) -> Optional[dict]:
-    try:
-        from .evaluate import evaluate
-    except ImportError as error:
-        say(f"evaluation skipped: aaren_hf.conversion.evaluate is not available ({error})")
-        return None
+    from .evaluate import evaluate, format_table
+
     windows = heldout[: opts.eval_windows] if opts.eval_windows else heldout
     t0 = time.time()
     say(f"evaluation: {windows.shape[0]} held-out windows of {windows.shape[1]} tokens"
@@ -839,12 +831,7 @@ def run_evaluation(student, teacher, tokenizer, heldout, opts: ConvertOptions, d
                        text_source=", ".join(map(str, opts.data)), log=say, long_windows=long, max_long_windows=4,
                        window=[], retention=True)
     say(f"evaluation: {time.time() - t0:.0f} s")
-    try:
-        from .evaluate import format_table
-
-        say("\n" + format_table(results))
-    except ImportError:
-        pass
+    say("\n" + format_table(results))
     return results
 
 

@@ -517,9 +517,11 @@ class Progress:
         import time
 
         if self.started is None:
+            # the clock starts when the first step ends: counting that step's tokens over ~0 s printed nonsense
             self.started = time.time()
+        else:
+            self.tokens += tokens
         self.done += steps
-        self.tokens += tokens
         if loss is not None:
             self.loss = loss if self.loss is None else 0.9 * self.loss + 0.1 * loss
         if self.bar is None:

@@ -457,3 +457,19 @@ def test_cli_errors_say_what_to_do(tiny, tmp_path, capsys):
                intermediate_size=64).save_pretrained(folder)
     code, _, err = run_cli(["--teacher", str(folder), "--output", str(tmp_path / "b")], capsys)
     assert code == 1 and "not supported" in err and "llama" in err
+
+
+def test_progress_rate_counts_from_the_end_of_the_first_step(monkeypatch):
+    """The first step's tokens over ~0 s made stage 2 print tok/s=296204641; the rate now starts after it."""
+    import time as time_module
+
+    from aaren_hf.conversion import train_state as ts
+
+    now = [100.0]
+    monkeypatch.setattr(time_module, "time", lambda: now[0])
+    bar = ts.Progress(3, "test", enabled=True)
+    for _ in range(3):
+        bar.update(1, 0.5, tokens=1000)
+        now[0] += 2.0
+    assert bar.bar.postfix == "loss=0.5000, tok/s=500"  # 2,000 tokens in the 4 s after the first step ended
+    bar.close()

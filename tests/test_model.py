@@ -89,6 +89,11 @@ def test_logits_to_keep_and_hidden_states():
         last = model(ids, logits_to_keep=1).logits
     assert len(out.hidden_states) == model.config.num_hidden_layers + 1
     torch.testing.assert_close(last, out.logits[:, -1:])
+    with torch.no_grad():  # return_dict=False gives the tuple transformers' callers expect
+        as_tuple = model(ids, return_dict=False, use_cache=False)
+        base = model.model(ids, return_dict=False, use_cache=False)
+    assert isinstance(as_tuple, tuple) and torch.equal(as_tuple[0], out.logits)
+    assert isinstance(base, tuple) and base[0].shape == (1, 9, model.config.hidden_size)
 
 
 def test_inputs_embeds_equals_input_ids():
