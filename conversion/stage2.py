@@ -68,13 +68,14 @@ class Stage2Options:
 
 def select_trainable(student, trainable: str, *, lora_r: int = 8, lora_alpha: int = 16):
     """Set ``requires_grad`` for ``trainable`` ("all" | "mixer" | "lora") and return the model to train (a PEFT
-    model for "lora"). A "fixed" decay stays frozen in every set."""
+    model for "lora"). A "fixed" decay stays frozen in every set, and so does the memory's retention score: it is
+    fitted in stage 1 and only ranks tokens, so no gradient reaches it (and DDP refuses parameters without one)."""
     if trainable not in TRAINABLE_SETS:
         raise ValueError(f"trainable must be one of {TRAINABLE_SETS}, got {trainable!r}")
     fixed_decay = getattr(student.config, "decay", None) == "fixed"
 
     def frozen_anyway(name: str) -> bool:
-        return fixed_decay and name.endswith(".mixer.log_decay")
+        return (fixed_decay and name.endswith(".mixer.log_decay")) or ".mixer.retention_proj." in name
 
     if trainable == "all":
         for name, p in student.named_parameters():

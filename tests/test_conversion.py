@@ -78,7 +78,7 @@ def tiny_options(teacher, data, output, **overrides):
         teacher=str(teacher), output=str(output), data=(str(data),), seq_len=48, train_windows=16, heldout_windows=4,
         mixer={"num_query_slots": 2, "decay": "learned", "window_size": 8, "num_sink_tokens": 1,
                "window_gate": "head"},
-        init_windows=2,
+        init_windows=2, long_seq_len=96,
         stage1=Stage1Options(steps=4, lr=3e-3, batch_size=2, windows=8, checkpoint_every=2),
         stage2=Stage2Options(steps=4, lr=2e-3, batch_size=2, checkpoint_every=2),
         eval=False, progress=False,
@@ -98,7 +98,8 @@ def cli_args(teacher, data, output) -> list[str]:
     """The command-line twin of :func:`tiny_options`."""
     return ["--teacher", str(teacher), "--data", str(data), "--output", str(output), "--seq-len", "48",
             "--train-windows", "16", "--heldout-windows", "4", "--init-windows", "2", "--num-query-slots", "2",
-            "--decay", "learned", "--window-size", "8", "--num-sink-tokens", "1", "--stage1-steps", "4",
+            "--decay", "learned", "--window-size", "8", "--num-sink-tokens", "1", "--memory-size", "0",
+            "--long-seq-len", "96", "--stage1-steps", "4",
             "--stage1-lr", "3e-3", "--stage1-windows", "8", "--stage1-batch-size", "2", "--stage2-steps", "4",
             "--lr", "2e-3", "--batch-size", "2", "--checkpoint-every", "2", "--no-eval", "--no-progress"]
 
