@@ -351,7 +351,7 @@ def run_eval(argv: list[str]) -> int:
     if (model_dir / "conversion.json").is_file():
         record = json.loads((model_dir / "conversion.json").read_text())
     recorded = record.get("options", {})
-    from .convert import ConversionError, load_teacher, resolve_teacher
+    from .convert import ConversionError, load_teacher, long_length, resolve_teacher
 
     teacher, recipe = args.teacher, None
     if teacher is None and record:
@@ -396,9 +396,7 @@ def run_eval(argv: list[str]) -> int:
         kwargs["recall_distances"] = args.recall_distances
     from .evaluate import long_heldout_windows
 
-    long_len = args.long_seq_len or recorded.get("long_seq_len") or 2048
-    if student.config.position_embedding_type == "learned":
-        long_len = min(long_len, student.config.max_position_embeddings)
+    long_len = long_length(args.long_seq_len or recorded.get("long_seq_len") or 2048, student.config)
     if long_len > seq_len:
         try:
             kwargs["long_windows"] = long_heldout_windows(

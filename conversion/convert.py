@@ -545,11 +545,11 @@ def _device_of(accelerator) -> torch.device:
     return accelerator.device if accelerator.device.type != "cpu" else torch.device("cpu")
 
 
-def long_length(opts: ConvertOptions, student_config) -> int:
-    """``long_seq_len``, capped by a learned position table (GPT-2: 1024)."""
+def long_length(length: int, student_config) -> int:
+    """A long-window length, capped by a learned position table (GPT-2: 1024)."""
     if student_config.position_embedding_type == "learned":
-        return min(opts.long_seq_len, student_config.max_position_embeddings)
-    return opts.long_seq_len
+        return min(length, student_config.max_position_embeddings)
+    return length
 
 
 def _load_long_windows(tokenizer, opts: ConvertOptions, run_train_documents, L: int) -> Optional[torch.Tensor]:
@@ -675,7 +675,7 @@ def convert(opts: ConvertOptions, accelerator=None) -> Optional[Path]:
         student = build_student(teacher, opts.mixer)
         say(f"student: {json.dumps(opts.mixer)}; "
             f"{sum(p.numel() for p in student.parameters()) / 1e6:.1f}M parameters")
-        long_train, L = None, long_length(opts, student.config)
+        long_train, L = None, long_length(opts.long_seq_len, student.config)
         if L > opts.seq_len and opts.stage2.steps > 0:
             with accelerator.main_process_first():
                 long_train = _load_long_windows(tokenizer, opts, data_info.pop("train_documents"), L)
@@ -815,7 +815,7 @@ def run_evaluation(student, teacher, tokenizer, heldout, opts: ConvertOptions, d
     t0 = time.time()
     say(f"evaluation: {windows.shape[0]} held-out windows of {windows.shape[1]} tokens"
         + (" (quick)" if opts.eval_quick else ""))
-    long, L = None, long_length(opts, student.config)
+    long, L = None, long_length(opts.long_seq_len, student.config)
     if L > windows.shape[1]:
         from .evaluate import long_heldout_windows
 
