@@ -129,7 +129,9 @@ def _standalone(tensors: dict) -> dict:
 
 def atomic_save_tensors(path, tensors: dict, metadata: Optional[dict] = None) -> Path:
     """safetensors file written atomically. Shared storage is fine (tensors are copied to contiguous CPU tensors)."""
-    meta = {k: str(v) for k, v in (metadata or {}).items()}
+    # An empty metadata dict next to an empty tensor dict makes safetensors 0.8 write a header it cannot read back
+    # ('{},"__metadata__":{}}'): a conversion with no new parameters (--convert-layers none) hit it on resume.
+    meta = {k: str(v) for k, v in (metadata or {}).items()} or None
     return atomic_write(path, lambda tmp: save_file(_standalone(tensors), tmp, metadata=meta))
 
 
