@@ -168,17 +168,6 @@ def mixer_trainable_parameters(mixer, train_teacher_weights: bool = True) -> tup
     return new, inherited
 
 
-def lr_at(step: int, total: int, lr: float, warmup: int, min_ratio: float) -> float:
-    """Linear warmup over ``warmup`` steps (at most a fifth of the run), then cosine from lr to lr * min_ratio at
-    ``total``."""
-    warmup = min(warmup, total // 5)
-    if warmup > 0 and step < warmup:
-        return lr * (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    progress = min(max(progress, 0.0), 1.0)
-    return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
 def _positions(B, T, device):
     mask = torch.ones(B, T, dtype=torch.bool, device=device)
     pos = torch.arange(T, device=device).expand(B, T)
@@ -220,14 +209,12 @@ def _target_variance(y: torch.Tensor) -> float:
 
 def train_mixer(mixer, x: torch.Tensor, y: torch.Tensor, opts: Stage1Options, *, seed: int, layer: int,
                 checkpoint_dir: Optional[Path] = None, heldout: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                progress=None, log: Optional[Callable[[str], None]] = None,
-                stop_after: Optional[int] = None) -> dict:
+                progress=None, log: Optional[Callable[[str], None]] = None) -> dict:
     """Train ``mixer`` to map x -> y (both [N, T, E]); returns a record with losses and held-out FVU.
 
     Deterministic given (seed, layer): step s uses windows :func:`train_state.sample_indices` (seed, s, stream=layer).
     With ``checkpoint_dir`` the optimizer state, parameters and step are saved every ``opts.checkpoint_every`` steps
-    and training resumes from there. ``stop_after``: return after that many steps of this call (tests: simulated
-    interruption)."""
+    and training resumes from there."""
     say = log or (lambda message: None)
     device = next(mixer.parameters()).device
     new, inherited = mixer_trainable_parameters(mixer, opts.train_teacher_weights)
@@ -240,26 +227,17 @@ def train_mixer(mixer, x: torch.Tensor, y: torch.Tensor, opts: Stage1Options, *,
     record = {"layer": layer, "steps": opts.steps, "target_variance": var}
     if heldout is not None:
         record["heldout_fvu_before"] = fvu(mixer, *heldout)
-    name = f"layer{layer:03d}"
-    start = 0
-    losses: list[float] = []
-    if checkpoint_dir is not None:
-        found = ts.latest_checkpoint(checkpoint_dir, name)
-        if found is not None:
-            state = ts.load_checkpoint(found, module=mixer, optimizer=optimizer)
-            start = state["step"]
-            losses = state["extra"].get("losses", [])
-            record.update(state["extra"].get("record", {}))
-            say(f"stage 1 layer {layer}: resumed at step {start}")
+    loop = ts.TrainingLoop(opts, module=mixer, optimizer=optimizer, folder=checkpoint_dir, name=f"layer{layer:03d}",
+                           label=f"stage 1 layer {layer}", lr_flag="--stage1-lr", history_key="losses")
+    resumed = loop.resume()
+    if resumed is not None:
+        record.update(resumed.get("record", {}))
+        say(f"stage 1 layer {layer}: resumed at step {loop.start}")
     N, T = x.shape[:2]
     mask, pos = _positions(opts.batch_size, T, device)
-    mixer.train()
-    ran = 0
-    started = time.time()
-    for step in range(start, opts.steps):
-        scale_lr = lr_at(step, opts.steps, opts.lr, opts.warmup, opts.min_lr_ratio)
-        for group in optimizer.param_groups:
-            group["lr"] = scale_lr * group["lr_scale"]
+    params = [p for g in groups for p in g["params"]]
+
+    def step_fn(step: int):
         idx = ts.sample_indices(seed, step, opts.batch_size, N, stream=1 + layer)
         xb = x[idx].to(device, torch.float32)
         yb = y[idx].to(device, torch.float32)
@@ -268,28 +246,18 @@ def train_mixer(mixer, x: torch.Tensor, y: torch.Tensor, opts: Stage1Options, *,
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if opts.grad_clip and opts.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_([p for g in groups for p in g["params"]], opts.grad_clip)
+            torch.nn.utils.clip_grad_norm_(params, opts.grad_clip)
         optimizer.step()
         value = float(loss.detach())
-        if not math.isfinite(value):
-            raise FloatingPointError(f"stage 1 layer {layer}: loss became {value} at step {step}; lower --stage1-lr")
-        losses.append(round(value, 6))
-        ran += 1
-        if progress is not None:
-            progress.update(1, value, xb.shape[0] * T)
-        done = step + 1
-        if checkpoint_dir is not None and opts.checkpoint_every and done % opts.checkpoint_every == 0 and done < opts.steps:
-            ts.save_checkpoint(checkpoint_dir, name, module=mixer, optimizer=optimizer, step=done,
-                               extra={"losses": losses, "record": record,
-                                      "cursor": ts.cursor(done, opts.batch_size, N)})
-        if stop_after is not None and ran >= stop_after:
-            record["interrupted_at"] = done
-            return record
+        return value, round(value, 6)
+
+    mixer.train()
+    started = time.time()
+    loop.run(step_fn, tokens_per_step=opts.batch_size * T, progress=progress,
+             extra=lambda done: {"record": record, "cursor": ts.cursor(done, opts.batch_size, N)})
     mixer.eval()
-    k = max(1, min(10, len(losses) // 3))
-    record["train_loss_first"] = float(sum(losses[:k]) / k) if losses else None
-    record["train_loss_last"] = float(sum(losses[-k:]) / k) if losses else None
-    record["losses"] = losses
+    record["train_loss_first"], record["train_loss_last"] = loop.loss_ends()
+    record["losses"] = loop.history
     record["seconds"] = round(time.time() - started, 1)
     if heldout is not None:
         record["heldout_fvu_after"] = fvu(mixer, *heldout)
@@ -367,10 +335,10 @@ def _broadcast_records(records: dict, num_layers: int, accelerator) -> dict:
 
 def run_stage1(student, teacher, train_windows: torch.Tensor, heldout_windows: torch.Tensor, opts: Stage1Options,
                *, seed: int, work_dir: Path, accelerator=None, log: Optional[Callable[[str], None]] = None,
-               progress_factory=None, stop_after: Optional[int] = None) -> dict:
+               progress_factory=None) -> dict:
     """Stage 1 on every layer of ``student`` (in place). Returns ``{"layers": [record, ...], "seconds": ...}``.
 
-    ``progress_factory(total, desc)`` returns a :class:`train_state.Progress` (or None: no display). ``stop_after``: stop after that many training steps in this call (tests)."""
+    ``progress_factory(total, desc)`` returns a :class:`train_state.Progress` (or None: no display)."""
     say = log or (lambda message: None)
     started = time.time()
     folder = Path(work_dir) / "stage1"
@@ -423,11 +391,7 @@ def run_stage1(student, teacher, train_windows: torch.Tensor, heldout_windows: t
             if bar is not None:
                 bar.set_description(f"stage 1: layer {i}")
             rec = train_mixer(mixer, x, y, opts, seed=seed, layer=i, checkpoint_dir=folder / "checkpoints",
-                              heldout=ho32, progress=bar, log=say, stop_after=stop_after)
-            if "interrupted_at" in rec:
-                if bar:
-                    bar.close()
-                return {"interrupted": True, "layer": i, "step": rec["interrupted_at"]}
+                              heldout=ho32, progress=bar, log=say)
             if getattr(mixer, "memory_size", 0) > 0:
                 rec["memory"] = fit_memory(mixer, tlayers[i], x, ho32[0] if ho32 is not None else None)
                 say(f"stage 1 layer {i:2d}: memory " + ", ".join(f"{k} {v:.3f}" for k, v in rec["memory"].items()))
