@@ -348,24 +348,36 @@ def teacher_kv_bytes_per_token(teacher_config, dtype: torch.dtype = torch.float3
 
 
 def aaren_state_bytes(student_config, kv_dtype: torch.dtype = torch.float32) -> int:
-    """Bytes of one sequence's full AarenCache once the window is full, from the config (matches
-    ``AarenCache.state_bytes()`` measured after a forward of >= window_size tokens, batch 1):
+    """Bytes of one sequence's full AarenCache once the window is full (batch 1), asked of the cache itself rather
+    than restated from the layer's shapes: a copy of the model that keeps everything the state depends on (layers and
+    their types, heads, head size, slots, window, sinks, memory) and shrinks what it does not (vocabulary, hidden
+    and MLP widths) runs in ``kv_dtype``, the dtype its window and memory keys/values take (the Aaren part is
+    float32 whatever the model's dtype), and is measured as :func:`state_bytes_table` measures a student."""
+    from aaren_hf.modeling_aaren import AarenForCausalLM
 
-    per layer, Aaren state in float32: (mean value [H*J, D] + log normaliser [H*J]) * 4 bytes; with the window
-    branch, keys + values of the W - 1 window tokens kept between steps (the next token adds its own) and of the S
-    sinks in ``kv_dtype`` (2 * (W-1+S) * Hkv * D), and their positions (int64, W - 1 + S)."""
-    c = student_config
-    H, J, D, Hkv = c.num_attention_heads, c.num_query_slots, c.head_dim, c.num_key_value_heads
-    aaren = (H * J * D + H * J) * 4
-    per_layer = 0
-    if c.window_size > 0:
-        tokens = c.window_size - 1 + c.num_sink_tokens
-        per_layer += 2 * tokens * Hkv * D * _bytes_of(kv_dtype) + tokens * 8
-    M = getattr(c, "memory_size", 0)
-    if M > 0:  # memory keys/values, positions (int64) and scores (float32); window entries' scores (float32)
-        per_layer += 2 * M * Hkv * D * _bytes_of(kv_dtype) + M * Hkv * 12 + (c.window_size - 1) * Hkv * 4
-    aaren_layers = sum(c.layer_type(i) == "linear_attention" for i in range(c.num_hidden_layers))
-    return c.num_hidden_layers * per_layer + aaren_layers * aaren
+    shrunk = type(student_config).from_dict({
+        **student_config.to_dict(), "vocab_size": 8, "hidden_size": 8, "intermediate_size": 1,
+        "head_dim": student_config.head_dim, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None})
+    with torch.random.fork_rng(devices=[]):  # building draws initial weights: the caller's random stream stays put
+        model = AarenForCausalLM(shrunk).to(kv_dtype)
+    return _filled_state_bytes(model)["bytes"]
+
+
+def _filled_state_bytes(model) -> dict:
+    """Feed ``model`` random tokens through an ``AarenCache`` until its window (if any) is full, then as many again,
+    and read the cache's size after each: ``{"bytes", "first", "tokens": [after first, after second]}``."""
+    from aaren_hf.modeling_aaren import AarenCache
+
+    cfg = model.config
+    first = max(16, cfg.window_size + cfg.num_sink_tokens + 1)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (1, 2 * first), generator=generator).to(_device(model))
+    cache = AarenCache(cfg)
+    with torch.no_grad(), _eval_mode(model):
+        model(input_ids=ids[:, :first], past_key_values=cache, use_cache=True)
+        measured_first = cache.state_bytes()
+        model(input_ids=ids[:, first:], past_key_values=cache, use_cache=True)
+    return {"bytes": cache.state_bytes(), "first": measured_first, "tokens": [first, 2 * first]}
 
 
 def equal_memory_window(student_config, teacher_config, sinks: int, kv_dtype: torch.dtype = torch.float32) -> dict:
@@ -403,21 +415,9 @@ def state_bytes_table(student, teacher_config, contexts: Sequence[int] = (4096, 
     ``contexts``. ``kv_dtype`` (default: the student's parameter dtype) is used for the teacher's cache.
     ``baseline``: an :func:`equal_memory_window` result, whose S + W - 1 token cache is added as a column.
     Per sequence (batch 1)."""
-    from aaren_hf.modeling_aaren import AarenCache
-
-    cfg = student.config
     kv_dtype = kv_dtype or _param_dtype(student)
-    device = _device(student)
-    # fill the window (if any) so that the cache has its final size, then feed as much again
-    first = max(16, cfg.window_size + cfg.num_sink_tokens + 1)
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, cfg.vocab_size, (1, 2 * first), generator=generator).to(device)
-    cache = AarenCache(cfg)
-    with _eval_mode(student):
-        student(input_ids=ids[:, :first], past_key_values=cache, use_cache=True)
-        measured_first = cache.state_bytes()
-        student(input_ids=ids[:, first:], past_key_values=cache, use_cache=True)
-        measured_second = cache.state_bytes()
+    measured = _filled_state_bytes(student)
+    measured_first, measured_second = measured["first"], measured["bytes"]
     per_token = teacher_kv_bytes_per_token(teacher_config, kv_dtype)
     rows = []
     for T in contexts:
@@ -433,10 +433,10 @@ def state_bytes_table(student, teacher_config, contexts: Sequence[int] = (4096, 
         rows.append(row)
     return {
         "student_state_bytes": int(measured_second),
-        "student_state_bytes_measured_at": [int(first), int(2 * first)],
+        "student_state_bytes_measured_at": measured["tokens"],
         "student_state_bytes_first": int(measured_first),
         "student_state_constant": measured_first == measured_second,
-        "student_state_bytes_formula": aaren_state_bytes(cfg, kv_dtype),
+        "student_state_bytes_formula": aaren_state_bytes(student.config, kv_dtype),
         "teacher_kv_bytes_per_token": int(per_token),
         "kv_dtype": str(kv_dtype).replace("torch.", ""),
         "baseline": None if baseline is None else {"sinks": baseline["sinks"], "window": baseline["window"]},
