@@ -26,13 +26,14 @@ from typing import Callable, Optional
 import torch
 from safetensors.torch import load_file
 
+from aaren_hf.modeling_aaren import AarenMixer
+
 from . import train_state as ts
 from .adapters import teacher_layers
+from .init import never_trained
 from .retention import coverage, fit_retention, rule_scores, teacher_attention
 
 __all__ = ["Stage1Options", "capture_attention", "fvu", "run_stage1", "train_mixer", "mixer_trainable_parameters"]
-
-TEACHER_INIT_PARAMS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
 
 
 @dataclass
@@ -152,19 +153,20 @@ def capture_attention(teacher, windows: torch.Tensor, layers: list[int], *, dtyp
 
 def mixer_trainable_parameters(mixer, train_teacher_weights: bool = True) -> tuple[list, list]:
     """(new parameters, teacher-initialised parameters) of a mixer that will train; frozen ones get
-    ``requires_grad=False``. A "fixed" decay never trains."""
+    ``requires_grad=False`` (:func:`init.never_trained`). New: ``AarenMixer.NEW_PARAMETERS``; the rest came from
+    the teacher."""
     new, inherited = [], []
     for name, p in mixer.named_parameters():
         top = name.split(".", 1)[0]
-        if (top == "log_decay" and getattr(mixer, "decay", None) == "fixed") or top == "retention_proj":
-            p.requires_grad_(False)  # retention_proj: fitted in closed form (retention.py), no gradient reaches it
-        elif top in TEACHER_INIT_PARAMS:
+        if never_trained(top, getattr(mixer, "decay", None)):
+            p.requires_grad_(False)
+        elif top in AarenMixer.NEW_PARAMETERS:
+            p.requires_grad_(True)
+            new.append(p)
+        else:
             p.requires_grad_(train_teacher_weights)
             if train_teacher_weights:
                 inherited.append(p)
-        else:
-            p.requires_grad_(True)
-            new.append(p)
     return new, inherited
 
 

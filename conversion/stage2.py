@@ -20,7 +20,6 @@ run on N processes computes the same averaged gradient as one process (up to flo
 from __future__ import annotations
 
 import contextlib
-import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,15 +28,13 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from aaren_hf.modeling_aaren import AarenMixer
-
 from . import train_state as ts
+from .init import is_new_parameter, mixer_attribute, never_trained
 
 __all__ = ["Stage2Options", "TRAINABLE_SETS", "distill_loss", "heldout_kl", "run_stage2", "select_trainable"]
 
 TRAINABLE_SETS = ("all", "mixer", "lora")
 LORA_TARGETS = r".*\.(mixer\.(q_proj|k_proj|v_proj|o_proj)|mlp\.(gate_proj|up_proj|down_proj|fc_in|fc_out))"
-MIXER_NEW = re.compile(r".*\.mixer\.(" + "|".join(AarenMixer.NEW_PARAMETERS) + r")(\..*)?$")
 
 
 @dataclass
@@ -71,10 +68,10 @@ def select_trainable(student, trainable: str, *, lora_r: int = 8, lora_alpha: in
     fitted in stage 1 and only ranks tokens, so no gradient reaches it (and DDP refuses parameters without one)."""
     if trainable not in TRAINABLE_SETS:
         raise ValueError(f"trainable must be one of {TRAINABLE_SETS}, got {trainable!r}")
-    fixed_decay = getattr(student.config, "decay", None) == "fixed"
+    decay = getattr(student.config, "decay", None)
 
     def frozen_anyway(name: str) -> bool:
-        return (fixed_decay and name.endswith(".mixer.log_decay")) or ".mixer.retention_proj." in name
+        return never_trained(mixer_attribute(name), decay)
 
     if trainable == "all":
         for name, p in student.named_parameters():
@@ -91,7 +88,7 @@ def select_trainable(student, trainable: str, *, lora_r: int = 8, lora_alpha: in
     for name, p in model.named_parameters():
         if "lora_" in name:
             p.requires_grad_(True)
-        elif MIXER_NEW.match(name) and "base_layer" not in name and not frozen_anyway(name):
+        elif is_new_parameter(name) and "base_layer" not in name and not frozen_anyway(name):
             p.requires_grad_(True)
         else:
             p.requires_grad_(False)
@@ -243,7 +240,7 @@ def _optimizer(model, opts: Stage2Options):
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:
-            (no_decay if p.ndim < 2 or MIXER_NEW.match(name) else decay).append(p)
+            (no_decay if p.ndim < 2 or is_new_parameter(name) else decay).append(p)
     groups = [g for g in ({"params": decay, "weight_decay": opts.weight_decay},
                           {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
     return torch.optim.AdamW(groups, lr=opts.lr, betas=(0.9, 0.95))
