@@ -18,6 +18,7 @@ a finished layer is stored as ``stage1/layer_XXX.safetensors`` + ``.json``, so a
 from __future__ import annotations
 
 import math
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -365,53 +366,10 @@ def run_stage1(student, teacher, train_windows: torch.Tensor, heldout_windows: t
         say(f"stage 1: {len(mine) - len(todo)} layer(s) already trained (resumed)")
 
     if todo:
-        dtype = getattr(torch, opts.capture_dtype)
-        say(f"stage 1: capturing teacher attention for layers {todo[0]}-{todo[-1]} on {windows.shape[0]} training "
-            f"+ {heldout.shape[0]} held-out windows of {windows.shape[1]} tokens ({opts.capture_dtype})")
-        t0 = time.time()
-        bar = progress_factory(windows.shape[0] + heldout.shape[0], "stage 1: capture") if progress_factory else None
-        spill = folder / f"activations-rank{rank}"
-        acts = capture_attention(teacher, windows, todo, dtype=dtype, batch_size=opts.capture_batch_size,
-                                 spill_dir=spill, memory_fraction=opts.memory_fraction,
-                                 progress=bar.update_to if bar else None, log=say)
-        base = windows.shape[0]
-        held = {}
-        if heldout.shape[0]:
-            held = capture_attention(teacher, heldout, todo, dtype=dtype, batch_size=opts.capture_batch_size,
-                                     progress=(lambda n: bar.update_to(base + n)) if bar else None)
-        if bar:
-            bar.close()
-        say(f"stage 1: capture took {time.time() - t0:.0f} s")
-
-        bar = progress_factory(len(todo) * opts.steps, "stage 1: layers") if progress_factory else None
-        tlayers = teacher_layers(teacher)
-        for i in todo:
-            mixer = student.model.layers[i].mixer
-            x, y = acts.pop(i)
-            ho = held.pop(i) if i in held else None
-            ho32 = (ho[0].float(), ho[1].float()) if ho is not None else None
-            if bar is not None:
-                bar.set_description(f"stage 1: layer {i}")
-            rec = train_mixer(mixer, x, y, opts, seed=seed, layer=i, checkpoint_dir=folder / "checkpoints",
-                              heldout=ho32, progress=bar, log=say)
-            if getattr(mixer, "memory_size", 0) > 0:
-                rec["memory"] = fit_memory(mixer, tlayers[i], x, ho32[0] if ho32 is not None else None)
-                say(f"stage 1 layer {i:2d}: memory " + ", ".join(f"{k} {v:.3f}" for k, v in rec["memory"].items()))
-            weights, meta = _layer_files(folder, i)
-            ts.atomic_save_tensors(weights, ts.trainable_state(mixer, include_frozen=True))
-            ts.atomic_write_json(meta, rec)
-            ts.remove_checkpoints(folder / "checkpoints", f"layer{i:03d}")
-            records[i] = rec
-            say(f"stage 1 layer {i:2d}: loss {rec['train_loss_first']:.3f} -> {rec['train_loss_last']:.3f}, "
-                f"held-out FVU {rec.get('heldout_fvu_before', float('nan')):.3f} -> "
-                f"{rec.get('heldout_fvu_after', float('nan')):.3f} ({rec['seconds']:.0f} s)")
-            del x, y
-        if bar:
-            bar.close()
-        if folder.joinpath(f"activations-rank{rank}").exists():
-            import shutil
-
-            shutil.rmtree(folder / f"activations-rank{rank}", ignore_errors=True)
+        acts, held = _capture_layers(teacher, windows, heldout, todo, opts, folder / f"activations-rank{rank}", say,
+                                     progress_factory)
+        records.update(_train_layers(student, teacher, acts, held, todo, opts, seed, folder, say, progress_factory))
+        shutil.rmtree(folder / f"activations-rank{rank}", ignore_errors=True)
 
     for i in range(num_layers):
         student.model.layers[i].mixer.requires_grad_(True)
@@ -431,6 +389,62 @@ def run_stage1(student, teacher, train_windows: torch.Tensor, heldout_windows: t
         "seconds": round(time.time() - started, 1),
     }
     return summary
+
+
+def _capture_layers(teacher, windows: torch.Tensor, heldout: torch.Tensor, layers: list[int], opts: Stage1Options,
+                    spill: Path, say, progress_factory) -> tuple[dict, dict]:
+    """The teacher's attention inputs and outputs for ``layers``: (on the training windows, on the held-out ones)."""
+    dtype = getattr(torch, opts.capture_dtype)
+    say(f"stage 1: capturing teacher attention for layers {layers[0]}-{layers[-1]} on {windows.shape[0]} training "
+        f"+ {heldout.shape[0]} held-out windows of {windows.shape[1]} tokens ({opts.capture_dtype})")
+    t0 = time.time()
+    bar = progress_factory(windows.shape[0] + heldout.shape[0], "stage 1: capture") if progress_factory else None
+    acts = capture_attention(teacher, windows, layers, dtype=dtype, batch_size=opts.capture_batch_size,
+                             spill_dir=spill, memory_fraction=opts.memory_fraction,
+                             progress=bar.update_to if bar else None, log=say)
+    base = windows.shape[0]
+    held = {}
+    if heldout.shape[0]:
+        held = capture_attention(teacher, heldout, layers, dtype=dtype, batch_size=opts.capture_batch_size,
+                                 progress=(lambda n: bar.update_to(base + n)) if bar else None)
+    if bar:
+        bar.close()
+    say(f"stage 1: capture took {time.time() - t0:.0f} s")
+    return acts, held
+
+
+def _train_layers(student, teacher, acts: dict, held: dict, layers: list[int], opts: Stage1Options, seed: int,
+                  folder: Path, say, progress_factory) -> dict[int, dict]:
+    """Train each layer's mixer on its captured activations (fit its memory tier too), store it as a finished
+    layer (:func:`_layer_files`) and drop its checkpoints; returns the layers' records. ``acts`` and ``held`` are
+    emptied as the layers are done, to free their memory."""
+    records = {}
+    bar = progress_factory(len(layers) * opts.steps, "stage 1: layers") if progress_factory else None
+    tlayers = teacher_layers(teacher)
+    for i in layers:
+        mixer = student.model.layers[i].mixer
+        x, y = acts.pop(i)
+        ho = held.pop(i) if i in held else None
+        ho32 = (ho[0].float(), ho[1].float()) if ho is not None else None
+        if bar is not None:
+            bar.set_description(f"stage 1: layer {i}")
+        rec = train_mixer(mixer, x, y, opts, seed=seed, layer=i, checkpoint_dir=folder / "checkpoints",
+                          heldout=ho32, progress=bar, log=say)
+        if getattr(mixer, "memory_size", 0) > 0:
+            rec["memory"] = fit_memory(mixer, tlayers[i], x, ho32[0] if ho32 is not None else None)
+            say(f"stage 1 layer {i:2d}: memory " + ", ".join(f"{k} {v:.3f}" for k, v in rec["memory"].items()))
+        weights, meta = _layer_files(folder, i)
+        ts.atomic_save_tensors(weights, ts.trainable_state(mixer, include_frozen=True))
+        ts.atomic_write_json(meta, rec)
+        ts.remove_checkpoints(folder / "checkpoints", f"layer{i:03d}")
+        records[i] = rec
+        say(f"stage 1 layer {i:2d}: loss {rec['train_loss_first']:.3f} -> {rec['train_loss_last']:.3f}, "
+            f"held-out FVU {rec.get('heldout_fvu_before', float('nan')):.3f} -> "
+            f"{rec.get('heldout_fvu_after', float('nan')):.3f} ({rec['seconds']:.0f} s)")
+        del x, y
+    if bar:
+        bar.close()
+    return records
 
 
 def fit_memory(mixer, teacher_layer, x: torch.Tensor, heldout_x: Optional[torch.Tensor], batch: int = 4) -> dict:
