@@ -355,9 +355,11 @@ def aaren_state_bytes(student_config, kv_dtype: torch.dtype = torch.float32) -> 
     float32 whatever the model's dtype), and is measured as :func:`state_bytes_table` measures a student."""
     from aaren_hf.modeling_aaren import AarenForCausalLM
 
+    # a learned position table only shifts the input embeddings; without it no window is too long for the table
     shrunk = type(student_config).from_dict({
         **student_config.to_dict(), "vocab_size": 8, "hidden_size": 8, "intermediate_size": 1,
-        "head_dim": student_config.head_dim, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None})
+        "head_dim": student_config.head_dim, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
+        "position_embedding_type": "none", "max_position_embeddings": None})
     with torch.random.fork_rng(devices=[]):  # building draws initial weights: the caller's random stream stays put
         model = AarenForCausalLM(shrunk).to(kv_dtype)
     return _filled_state_bytes(model)["bytes"]
