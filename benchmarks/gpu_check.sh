@@ -2,7 +2,10 @@
 # One prepared pass on a CUDA machine: the GPU-only tests (compiled Triton kernels against float64 and the PyTorch
 # path; the model on CUDA against the CPU and its own decode), then the kernel benchmark at B=1 and at a batch
 # that fills the GPU, then the whole model against its teacher (bench_model.py: train step, prefill, generate at the
-# shapes of issue 12, bf16). Runs from a checkout without installing it, with whatever torch/triton the machine has.
+# shapes of issue 12, bf16). Runs from a checkout with whatever torch/triton the machine has: the checkout is
+# installed (no dependencies) into a folder of its own under LOG_DIR, and Python runs as with -P (PYTHONSAFEPATH),
+# so the repository root is never on sys.path and its kernels/ folder cannot pose as the `kernels` package
+# (docs/layout.md).
 #
 #     bash benchmarks/gpu_check.sh [LOG_DIR]        # logs + bench JSON in LOG_DIR (default /tmp/aaren_gpu_check)
 #
@@ -10,7 +13,7 @@
 set -u
 LOG=${1:-/tmp/aaren_gpu_check}
 mkdir -p "$LOG"
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1  # PYTHONSAFEPATH=1: every python3 below runs as `python3 -P`
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used,memory.total --format=csv
 
 if ls .whl/transformers-*.whl >/dev/null 2>&1; then
@@ -18,9 +21,13 @@ if ls .whl/transformers-*.whl >/dev/null 2>&1; then
   PYTHONPATH=/tmp/site python3 -c "import transformers" && export PYTHONPATH=/tmp/site \
     || echo "carried transformers does not import here: using the machine's own"
 fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-# aaren_hf.kernels is a package_dir mapping of ./kernels; without an install, a link in this copy stands in
-python3 -c "import aaren_hf.kernels" 2>/dev/null || ln -sfn ../kernels aaren_hf/kernels
+SITE="$LOG/site"
+rm -rf "$SITE"
+[ -e build ] || made_build=1
+python3 -m pip install -q --no-deps --no-build-isolation --no-index --no-compile --target "$SITE" . \
+  || { echo "gpu_check: cannot install this checkout (pip and setuptools needed)"; exit 1; }
+[ -z "${made_build:-}" ] || rm -rf build  # pip's in-tree build folder, if it was not there before
+export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 python3 -c "import torch, triton, transformers, aaren_hf.kernels as k
 print('torch', torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__,
       '|', torch.cuda.get_device_name(), '| backend for CUDA tensors:', k.select_backend(torch.zeros(1, device='cuda')))"

@@ -635,20 +635,11 @@ def convert(opts: ConvertOptions, accelerator=None) -> Optional[Path]:
     main, rank, world = accelerator.is_main_process, accelerator.process_index, accelerator.num_processes
     started = time.time()
 
-    teacher_id = resolve_teacher(opts.teacher, opts.recipe) if main else None
-    teacher_id = _share_string(teacher_id, accelerator)
+    teacher_id = _share_string(resolve_teacher(opts.teacher, opts.recipe) if main else None, accelerator)
     output = Path(opts.output or default_output_name(teacher_id)).expanduser().resolve()
     work = output.with_name(output.name + ".work")
-    error, lock, created = None, None, False
     existed = next(p for p in output.parents if p.exists())  # folders below it that this run makes go on failure
-    if main:
-        try:
-            lock, created = _prepare_work(opts, output, work, teacher_id)
-        except ConversionError as exc:
-            error = str(exc)
-    error = _share_string(error, accelerator)
-    if error:
-        raise ConversionError(error)
+    lock, created = _claim_output(opts, output, work, teacher_id, accelerator)
     logger = _setup_logger(work, main, rank)
     say = logger.info
     training = False  # from here on the work folder holds what a --resume continues from
@@ -661,93 +652,22 @@ def convert(opts: ConvertOptions, accelerator=None) -> Optional[Path]:
         say(f"options: {json.dumps(opts.fingerprint(), default=str)}")
         check_positions(check_teacher_type(teacher_id), opts)
         set_seed(opts.seed)
-        device = _device_of(accelerator)
-        t0 = time.time()
-        tokenizer, teacher = load_teacher(teacher_id, device=device)
-        say(f"teacher: {teacher.config.model_type}, {teacher.config.num_hidden_layers} layers, "
-            f"{sum(p.numel() for p in teacher.parameters()) / 1e6:.1f}M parameters ({time.time() - t0:.1f} s)")
-
-        with accelerator.main_process_first():
-            train, heldout, data_info = _load_windows(tokenizer, opts, say)
-        say(f"data: {list(opts.data)}: {train.shape[0]} training and {heldout.shape[0]} held-out windows of "
-            f"{opts.seq_len} tokens ({data_info.get('documents')} documents, held out by document)")
-
-        student = build_student(teacher, opts.mixer)
-        say(f"student: {json.dumps(opts.mixer)}; "
-            f"{sum(p.numel() for p in student.parameters()) / 1e6:.1f}M parameters")
-        long_train, L = None, long_length(opts.long_seq_len, student.config)
-        if L > opts.seq_len and opts.stage2.steps > 0:
-            with accelerator.main_process_first():
-                long_train = _load_long_windows(tokenizer, opts, data_info.pop("train_documents"), L)
-            if long_train is None:
-                say(f"data: too little text for stage-2 windows of {L} tokens; stage 2 uses {opts.seq_len}")
-        data_info.pop("train_documents", None)
-        stage1_train, stage2_train = training_windows(tokenizer, opts, train, long_train,
-                                                      student.config.window_size, say)
-
-        # --- initialisation -------------------------------------------------------------------------------------
+        inputs = _load_inputs(teacher_id, opts, accelerator, say)
         training = True
-        from .init import initialize_student, new_parameter_names
-
-        init_file, init_json = work / "init.safetensors", work / "init.json"
-        new_names = new_parameter_names(student)
-        # decided by the main process: another process looking itself could see a file written meanwhile
-        have_init = _share_string("yes" if main and init_file.is_file() and init_json.is_file() else "",
-                                  accelerator) == "yes"
-        if have_init:
-            ts.load_tensors_into(student, init_file)
-            init_report = json.loads(init_json.read_text())
-            say("init: loaded from the work folder (resumed)")
-        else:
-            init_report = None
-            if main:
-                t0 = time.time()
-                init_report = initialize_student(
-                    student, teacher, train[: opts.init_windows], seed=opts.seed,
-                    kmeans_iterations=opts.kmeans_iterations, decay_spread=opts.decay_spread, log=say)
-                init_report["seconds"] = round(time.time() - t0, 1)
-                params = dict(student.named_parameters())
-                ts.atomic_save_tensors(init_file, {n: params[n] for n in new_names})
-                ts.atomic_write_json(init_json, init_report)
-                say(f"init: {init_report['seconds']:.0f} s")
-            if world > 1:
-                accelerator.wait_for_everyone()
-                _broadcast_parameters(student, new_names, src=0)
-
-        # --- stage 1 --------------------------------------------------------------------------------------------
-        stage1_summary = None
-        if opts.stage1.steps > 0:
-            stage1_summary = run_stage1(student, teacher, stage1_train, heldout, opts.stage1, seed=opts.seed,
-                                        work_dir=work,
-                                        accelerator=accelerator, log=say, progress_factory=progress)
-            if main:
-                ts.atomic_write_json(work / "stage1.json", stage1_summary)
-            before, after = stage1_summary["mean_heldout_fvu_before"], stage1_summary["mean_heldout_fvu_after"]
-            if after is not None:
-                say(f"stage 1 done: mean held-out FVU {before:.3f} -> {after:.3f} ({stage1_summary['seconds']:.0f} s)")
-
-        # --- stage 2 --------------------------------------------------------------------------------------------
-        stage2_summary = None
-        if opts.stage2.steps > 0:
-            student, stage2_summary = run_stage2(student, teacher, stage2_train, heldout, opts.stage2, seed=opts.seed,
-                                                 work_dir=work, accelerator=accelerator, log=say,
-                                                 progress_factory=progress)
+        init_report = _initialize(inputs, opts, work, accelerator, say)
+        student, stage1_summary, stage2_summary = _train(inputs, opts, work, accelerator, say, progress)
         student.eval()
         if not main:
             return None
-
-        # --- evaluation -----------------------------------------------------------------------------------------
         results = None
         if opts.eval:
-            results = run_evaluation(student, teacher, tokenizer, heldout, opts, data_info, say)
-
-        # --- output ---------------------------------------------------------------------------------------------
+            results = run_evaluation(student, inputs.teacher, inputs.tokenizer, inputs.heldout, opts,
+                                     inputs.data_info, say)
         places = _portable_places(output, work, opts, teacher_id)
-        options = _relative_options(opts, places)
         record = {
             "teacher": _teacher_name(teacher_id),
-            "options": options,
-            "data": data_info,
+            "options": _relative_options(opts, places),
+            "data": inputs.data_info,
             "init": init_report,
             "stage1": stage1_summary,
             "stage2": _strip_history(stage2_summary),
@@ -755,7 +675,8 @@ def convert(opts: ConvertOptions, accelerator=None) -> Optional[Path]:
             "processes": world,
             "torch": torch.__version__,
         }
-        _write_output(student, tokenizer, teacher, output, work, record, results, opts, say, teacher_id, places)
+        _write_output(student, inputs.tokenizer, inputs.teacher, output, work, record, results, opts, say,
+                      teacher_id, places)
         say(f"done in {time.time() - started:.0f} s: {output}")
         _close_logger(logger)
         if not opts.keep_work:
@@ -766,16 +687,128 @@ def convert(opts: ConvertOptions, accelerator=None) -> Optional[Path]:
             logger.exception("conversion failed")
         _close_logger(logger)
         if main and created and not training:  # a failed start: nothing to resume, so a corrected rerun may start
-            shutil.rmtree(work, ignore_errors=True)
-            lock.release()
-            for folder in [output.parent, *output.parent.parents]:
-                if folder == existed or any(folder.iterdir()):
-                    break
-                folder.rmdir()
+            _undo_start(work, lock, output, existed)
         raise
     finally:
         if lock is not None:
             lock.release()
+
+
+def _claim_output(opts: ConvertOptions, output: Path, work: Path, teacher_id: str,
+                  accelerator) -> tuple[Optional[ts.RunLock], bool]:
+    """The main process checks the output, takes the lock and prepares the work folder (:func:`_prepare_work`);
+    every process raises its error, if any."""
+    error, lock, created = None, None, False
+    if accelerator.is_main_process:
+        try:
+            lock, created = _prepare_work(opts, output, work, teacher_id)
+        except ConversionError as exc:
+            error = str(exc)
+    error = _share_string(error, accelerator)
+    if error:
+        raise ConversionError(error)
+    return lock, created
+
+
+def _undo_start(work: Path, lock: ts.RunLock, output: Path, existed: Path) -> None:
+    """Remove what a run that failed before training made: the work folder, the lock and the empty folders above
+    the output up to ``existed``."""
+    shutil.rmtree(work, ignore_errors=True)
+    lock.release()
+    for folder in [output.parent, *output.parent.parents]:
+        if folder == existed or any(folder.iterdir()):
+            break
+        folder.rmdir()
+
+
+@dataclass
+class _Inputs:
+    tokenizer: object
+    teacher: torch.nn.Module
+    student: torch.nn.Module  # the teacher's weights mapped in, new parameters not yet initialised
+    train: torch.Tensor  # text windows of seq_len tokens
+    heldout: torch.Tensor
+    data_info: dict
+    stage1_train: torch.Tensor  # the training windows with recall-bearing ones mixed in (training_windows)
+    stage2_train: torch.Tensor
+
+
+def _load_inputs(teacher_id: str, opts: ConvertOptions, accelerator, say) -> _Inputs:
+    """The teacher, the data windows and the student built from the teacher."""
+    t0 = time.time()
+    tokenizer, teacher = load_teacher(teacher_id, device=_device_of(accelerator))
+    say(f"teacher: {teacher.config.model_type}, {teacher.config.num_hidden_layers} layers, "
+        f"{sum(p.numel() for p in teacher.parameters()) / 1e6:.1f}M parameters ({time.time() - t0:.1f} s)")
+
+    with accelerator.main_process_first():
+        train, heldout, data_info = _load_windows(tokenizer, opts, say)
+    say(f"data: {list(opts.data)}: {train.shape[0]} training and {heldout.shape[0]} held-out windows of "
+        f"{opts.seq_len} tokens ({data_info.get('documents')} documents, held out by document)")
+
+    student = build_student(teacher, opts.mixer)
+    say(f"student: {json.dumps(opts.mixer)}; "
+        f"{sum(p.numel() for p in student.parameters()) / 1e6:.1f}M parameters")
+    long_train, L = None, long_length(opts.long_seq_len, student.config)
+    if L > opts.seq_len and opts.stage2.steps > 0:
+        with accelerator.main_process_first():
+            long_train = _load_long_windows(tokenizer, opts, data_info.pop("train_documents"), L)
+        if long_train is None:
+            say(f"data: too little text for stage-2 windows of {L} tokens; stage 2 uses {opts.seq_len}")
+    data_info.pop("train_documents", None)
+    stage1_train, stage2_train = training_windows(tokenizer, opts, train, long_train, student.config.window_size, say)
+    return _Inputs(tokenizer, teacher, student, train, heldout, data_info, stage1_train, stage2_train)
+
+
+def _initialize(inputs: _Inputs, opts: ConvertOptions, work: Path, accelerator, say) -> Optional[dict]:
+    """Set the student's new parameters from the teacher's statistics (main process, then broadcast), or load them
+    from the work folder when a resumed run made them already. Returns the init report."""
+    from .init import initialize_student, new_parameter_names
+
+    main, student = accelerator.is_main_process, inputs.student
+    init_file, init_json = work / "init.safetensors", work / "init.json"
+    new_names = new_parameter_names(student)
+    # decided by the main process: another process looking itself could see a file written meanwhile
+    have_init = _share_string("yes" if main and init_file.is_file() and init_json.is_file() else "",
+                              accelerator) == "yes"
+    if have_init:
+        ts.load_tensors_into(student, init_file)
+        say("init: loaded from the work folder (resumed)")
+        return json.loads(init_json.read_text())
+    init_report = None
+    if main:
+        t0 = time.time()
+        init_report = initialize_student(
+            student, inputs.teacher, inputs.train[: opts.init_windows], seed=opts.seed,
+            kmeans_iterations=opts.kmeans_iterations, decay_spread=opts.decay_spread, log=say)
+        init_report["seconds"] = round(time.time() - t0, 1)
+        params = dict(student.named_parameters())
+        ts.atomic_save_tensors(init_file, {n: params[n] for n in new_names})
+        ts.atomic_write_json(init_json, init_report)
+        say(f"init: {init_report['seconds']:.0f} s")
+    if accelerator.num_processes > 1:
+        accelerator.wait_for_everyone()
+        _broadcast_parameters(student, new_names, src=0)
+    return init_report
+
+
+def _train(inputs: _Inputs, opts: ConvertOptions, work: Path, accelerator, say, progress):
+    """Stage 1 then stage 2 (each skipped at 0 steps): ``(student, stage-1 summary, stage-2 summary)``."""
+    student, teacher, heldout = inputs.student, inputs.teacher, inputs.heldout
+    stage1_summary = None
+    if opts.stage1.steps > 0:
+        stage1_summary = run_stage1(student, teacher, inputs.stage1_train, heldout, opts.stage1, seed=opts.seed,
+                                    work_dir=work, accelerator=accelerator, log=say, progress_factory=progress)
+        if accelerator.is_main_process:
+            ts.atomic_write_json(work / "stage1.json", stage1_summary)
+        before, after = stage1_summary["mean_heldout_fvu_before"], stage1_summary["mean_heldout_fvu_after"]
+        if after is not None:
+            say(f"stage 1 done: mean held-out FVU {before:.3f} -> {after:.3f} ({stage1_summary['seconds']:.0f} s)")
+    stage2_summary = None
+    if opts.stage2.steps > 0:
+        student, stage2_summary = run_stage2(student, teacher, inputs.stage2_train, heldout, opts.stage2,
+                                             seed=opts.seed, work_dir=work, accelerator=accelerator, log=say,
+                                             progress_factory=progress)
+    return student, stage1_summary, stage2_summary
 
 
 def _strip_history(summary: Optional[dict]) -> Optional[dict]:

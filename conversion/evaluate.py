@@ -348,24 +348,38 @@ def teacher_kv_bytes_per_token(teacher_config, dtype: torch.dtype = torch.float3
 
 
 def aaren_state_bytes(student_config, kv_dtype: torch.dtype = torch.float32) -> int:
-    """Bytes of one sequence's full AarenCache once the window is full, from the config (matches
-    ``AarenCache.state_bytes()`` measured after a forward of >= window_size tokens, batch 1):
+    """Bytes of one sequence's full AarenCache once the window is full (batch 1), asked of the cache itself rather
+    than restated from the layer's shapes: a copy of the model that keeps everything the state depends on (layers and
+    their types, heads, head size, slots, window, sinks, memory) and shrinks what it does not (vocabulary, hidden
+    and MLP widths) runs in ``kv_dtype``, the dtype its window and memory keys/values take (the Aaren part is
+    float32 whatever the model's dtype), and is measured as :func:`state_bytes_table` measures a student."""
+    from aaren_hf.modeling_aaren import AarenForCausalLM
 
-    per layer, Aaren state in float32: (mean value [H*J, D] + log normaliser [H*J]) * 4 bytes; with the window
-    branch, keys + values of the W - 1 window tokens kept between steps (the next token adds its own) and of the S
-    sinks in ``kv_dtype`` (2 * (W-1+S) * Hkv * D), and their positions (int64, W - 1 + S)."""
-    c = student_config
-    H, J, D, Hkv = c.num_attention_heads, c.num_query_slots, c.head_dim, c.num_key_value_heads
-    aaren = (H * J * D + H * J) * 4
-    per_layer = 0
-    if c.window_size > 0:
-        tokens = c.window_size - 1 + c.num_sink_tokens
-        per_layer += 2 * tokens * Hkv * D * _bytes_of(kv_dtype) + tokens * 8
-    M = getattr(c, "memory_size", 0)
-    if M > 0:  # memory keys/values, positions (int64) and scores (float32); window entries' scores (float32)
-        per_layer += 2 * M * Hkv * D * _bytes_of(kv_dtype) + M * Hkv * 12 + (c.window_size - 1) * Hkv * 4
-    aaren_layers = sum(c.layer_type(i) == "linear_attention" for i in range(c.num_hidden_layers))
-    return c.num_hidden_layers * per_layer + aaren_layers * aaren
+    # a learned position table only shifts the input embeddings; without it no window is too long for the table
+    shrunk = type(student_config).from_dict({
+        **student_config.to_dict(), "vocab_size": 8, "hidden_size": 8, "intermediate_size": 1,
+        "head_dim": student_config.head_dim, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
+        "position_embedding_type": "none", "max_position_embeddings": None})
+    with torch.random.fork_rng(devices=[]):  # building draws initial weights: the caller's random stream stays put
+        model = AarenForCausalLM(shrunk).to(kv_dtype)
+    return _filled_state_bytes(model)["bytes"]
+
+
+def _filled_state_bytes(model) -> dict:
+    """Feed ``model`` random tokens through an ``AarenCache`` until its window (if any) is full, then as many again,
+    and read the cache's size after each: ``{"bytes", "first", "tokens": [after first, after second]}``."""
+    from aaren_hf.modeling_aaren import AarenCache
+
+    cfg = model.config
+    first = max(16, cfg.window_size + cfg.num_sink_tokens + 1)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (1, 2 * first), generator=generator).to(_device(model))
+    cache = AarenCache(cfg)
+    with torch.no_grad(), _eval_mode(model):
+        model(input_ids=ids[:, :first], past_key_values=cache, use_cache=True)
+        measured_first = cache.state_bytes()
+        model(input_ids=ids[:, first:], past_key_values=cache, use_cache=True)
+    return {"bytes": cache.state_bytes(), "first": measured_first, "tokens": [first, 2 * first]}
 
 
 def equal_memory_window(student_config, teacher_config, sinks: int, kv_dtype: torch.dtype = torch.float32) -> dict:
@@ -403,21 +417,9 @@ def state_bytes_table(student, teacher_config, contexts: Sequence[int] = (4096, 
     ``contexts``. ``kv_dtype`` (default: the student's parameter dtype) is used for the teacher's cache.
     ``baseline``: an :func:`equal_memory_window` result, whose S + W - 1 token cache is added as a column.
     Per sequence (batch 1)."""
-    from aaren_hf.modeling_aaren import AarenCache
-
-    cfg = student.config
     kv_dtype = kv_dtype or _param_dtype(student)
-    device = _device(student)
-    # fill the window (if any) so that the cache has its final size, then feed as much again
-    first = max(16, cfg.window_size + cfg.num_sink_tokens + 1)
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, cfg.vocab_size, (1, 2 * first), generator=generator).to(device)
-    cache = AarenCache(cfg)
-    with _eval_mode(student):
-        student(input_ids=ids[:, :first], past_key_values=cache, use_cache=True)
-        measured_first = cache.state_bytes()
-        student(input_ids=ids[:, first:], past_key_values=cache, use_cache=True)
-        measured_second = cache.state_bytes()
+    measured = _filled_state_bytes(student)
+    measured_first, measured_second = measured["first"], measured["bytes"]
     per_token = teacher_kv_bytes_per_token(teacher_config, kv_dtype)
     rows = []
     for T in contexts:
@@ -433,10 +435,10 @@ def state_bytes_table(student, teacher_config, contexts: Sequence[int] = (4096, 
         rows.append(row)
     return {
         "student_state_bytes": int(measured_second),
-        "student_state_bytes_measured_at": [int(first), int(2 * first)],
+        "student_state_bytes_measured_at": measured["tokens"],
         "student_state_bytes_first": int(measured_first),
         "student_state_constant": measured_first == measured_second,
-        "student_state_bytes_formula": aaren_state_bytes(cfg, kv_dtype),
+        "student_state_bytes_formula": aaren_state_bytes(student.config, kv_dtype),
         "teacher_kv_bytes_per_token": int(per_token),
         "kv_dtype": str(kv_dtype).replace("torch.", ""),
         "baseline": None if baseline is None else {"sinks": baseline["sinks"], "window": baseline["window"]},
@@ -509,15 +511,13 @@ def recall_probe(model, tokenizer, distances: Sequence[int] = DEFAULT_RECALL_DIS
     "n_trials", "seed", "results": [{"distance", "key_to_answer", "length", "accuracy", "token_accuracy",
     "key_logprob", "skipped"}]}``; scores in [0, 1] (``key_logprob`` <= 0).
     """
-    from .recall import EVAL_WORDINGS, make_key
+    from .recall import EVAL_WORDINGS
 
     if wording not in EVAL_WORDINGS:
         raise ValueError(f"unknown wording {wording!r}; the evaluation wordings are {', '.join(EVAL_WORDINGS)}")
     if n_trials < 1 or batch_size < 1:
         raise ValueError(f"need n_trials >= 1 and batch_size >= 1, got {n_trials}, {batch_size}")
     template = EVAL_WORDINGS[wording]
-    rng = random.Random(seed)
-    device = _device(model)
     sinks = _sinks_of(model)
     max_len = _max_positions(model)
     if filler_ids is not None:
@@ -531,66 +531,16 @@ def recall_probe(model, tokenizer, distances: Sequence[int] = DEFAULT_RECALL_DIS
     intro = _ids(tokenizer, template.intro)
     if len(intro) < sinks + 1:  # keep the key out of the sinks
         intro = (filler * (sinks // len(filler) + 2))[: sinks + 1 - len(intro)] + intro
-
-    trials = []  # same keys, names and filler offsets for every distance, drawn once (key, offset: as always)
-    for _ in range(n_trials):
-        key = make_key(rng, key_format, key_digits)
-        trials.append((key, rng.randrange(len(filler))))
-    names = [rng.choice(template.names) for _ in trials] if template.keyed else [None] * n_trials
-    pieces = []  # per trial: (statement before the key, key ids, statement after the key, question)
-    for (key, _), name in zip(trials, names):
-        fill = (lambda s: s.format(name=name)) if template.keyed else (lambda s: s)
-        pieces.append((_ids(tokenizer, fill(template.before)), _ids(tokenizer, " " + key),
-                       _ids(tokenizer, fill(template.after)), _ids(tokenizer, fill(template.question))))
+    trials = _recall_trials(tokenizer, template, random.Random(seed), n_trials, key_format, key_digits, len(filler))
 
     results = []
     with _eval_mode(model):
         for distance in distances:
             row = {"distance": int(distance), "key_to_answer": None, "length": None, "accuracy": None,
                    "token_accuracy": None, "key_logprob": None, "skipped": None}
-            built = []  # (sequence, context length, target)
-            for (key, offset), (before_key, key_ids, after_key, question) in zip(trials, pieces):
-                lead = 0
-                while lead < len(key_ids) - 1 and tokenizer.decode(key_ids[: lead + 1]).strip() == "":
-                    lead += 1
-                stretch = (filler[offset:] + filler * (distance // len(filler) + 2))[:distance]
-                context = intro + before_key + key_ids + after_key + stretch + question + key_ids[:lead]
-                target = key_ids[lead:]
-                seq = context + target
-                if max_len is not None and len(seq) > max_len:
-                    row["skipped"] = f"{len(seq)} tokens > trained context {max_len}"
-                    break
-                if row["key_to_answer"] is None:
-                    # relative distance at which the first answer step sees the first key token of the statement
-                    row["key_to_answer"] = len(context) - 1 - (len(intro) + len(before_key) + lead)
-                    row["length"] = len(seq)
-                built.append((seq, len(context), target))
-            if row["skipped"] is not None:
-                results.append(row)
-                continue
-            exact, tok_acc, logprob = [], [], []
-            by_length: dict[int, list] = {}
-            for item in built:
-                by_length.setdefault(len(item[0]), []).append(item)
-            for length, group in by_length.items():
-                for start in range(0, len(group), batch_size):
-                    chunk = group[start : start + batch_size]
-                    keep = max(len(target) for _, _, target in chunk) + 1
-                    input_ids = torch.tensor([seq for seq, _, _ in chunk], device=device)
-                    logits = model(input_ids=input_ids, use_cache=False, logits_to_keep=keep).logits
-                    logits = logits[:, -keep:].float()  # models that ignore logits_to_keep return all positions
-                    for i, (seq, n_context, target) in enumerate(chunk):
-                        first = keep - 1 - (length - n_context)  # index of the step that predicts target[0]
-                        lg = logits[i, first : first + len(target)]
-                        tgt = torch.tensor(target, device=device)
-                        pred = lg.argmax(-1)
-                        exact.append(float(bool((pred == tgt).all())))
-                        scored = _scored_positions(tokenizer, target)
-                        tok_acc.append(float((pred == tgt)[scored].float().mean()))
-                        logprob.append(float(torch.log_softmax(lg, -1).gather(-1, tgt[:, None]).mean()))
-            row["accuracy"] = sum(exact) / len(exact)
-            row["token_accuracy"] = sum(tok_acc) / len(tok_acc)
-            row["key_logprob"] = sum(logprob) / len(logprob)
+            built = _recall_sequences(tokenizer, trials, intro, filler, int(distance), max_len, row)
+            if row["skipped"] is None:
+                row.update(_score_recall(model, tokenizer, built, batch_size))
             results.append(row)
     key_desc = f"{key_digits} digits" if key_format == "digits" else key_format
     return {
@@ -602,6 +552,77 @@ def recall_probe(model, tokenizer, distances: Sequence[int] = DEFAULT_RECALL_DIS
         "seed": int(seed),
         "results": results,
     }
+
+
+def _recall_trials(tokenizer, template, rng: random.Random, n_trials: int, key_format: str, key_digits: int,
+                   filler_length: int) -> list[tuple]:
+    """Per trial: (filler offset, statement before the key, key ids, statement after the key, question), drawn once
+    and used at every distance (keys and offsets first, then names: the order this probe always drew them in)."""
+    from .recall import make_key
+
+    drawn = []
+    for _ in range(n_trials):
+        key = make_key(rng, key_format, key_digits)
+        drawn.append((key, rng.randrange(filler_length)))
+    names = [rng.choice(template.names) for _ in drawn] if template.keyed else [None] * n_trials
+    trials = []
+    for (key, offset), name in zip(drawn, names):
+        fill = (lambda s: s.format(name=name)) if template.keyed else (lambda s: s)
+        trials.append((offset, _ids(tokenizer, fill(template.before)), _ids(tokenizer, " " + key),
+                       _ids(tokenizer, fill(template.after)), _ids(tokenizer, fill(template.question))))
+    return trials
+
+
+def _recall_sequences(tokenizer, trials: list, intro: list, filler: list, distance: int, max_len: Optional[int],
+                      row: dict) -> list[tuple]:
+    """The trials' token sequences at ``distance``: [(sequence, context length, target)]. Fills ``row``'s
+    ``key_to_answer`` and ``length``, or its ``skipped`` when a sequence exceeds ``max_len``."""
+    built = []
+    for offset, before_key, key_ids, after_key, question in trials:
+        lead = 0  # whitespace-only tokens at the start of the key belong to the question
+        while lead < len(key_ids) - 1 and tokenizer.decode(key_ids[: lead + 1]).strip() == "":
+            lead += 1
+        stretch = (filler[offset:] + filler * (distance // len(filler) + 2))[:distance]
+        context = intro + before_key + key_ids + after_key + stretch + question + key_ids[:lead]
+        target = key_ids[lead:]
+        seq = context + target
+        if max_len is not None and len(seq) > max_len:
+            row["skipped"] = f"{len(seq)} tokens > trained context {max_len}"
+            return []
+        if row["key_to_answer"] is None:
+            # relative distance at which the first answer step sees the first key token of the statement
+            row["key_to_answer"] = len(context) - 1 - (len(intro) + len(before_key) + lead)
+            row["length"] = len(seq)
+        built.append((seq, len(context), target))
+    return built
+
+
+def _score_recall(model, tokenizer, built: list, batch_size: int) -> dict:
+    """Teacher-forced scores of the sequences of :func:`_recall_sequences`, ``batch_size`` of equal length per
+    forward, logits for the answer positions only."""
+    device = _device(model)
+    exact, tok_acc, logprob = [], [], []
+    by_length: dict[int, list] = {}
+    for item in built:
+        by_length.setdefault(len(item[0]), []).append(item)
+    for length, group in by_length.items():
+        for start in range(0, len(group), batch_size):
+            chunk = group[start : start + batch_size]
+            keep = max(len(target) for _, _, target in chunk) + 1
+            input_ids = torch.tensor([seq for seq, _, _ in chunk], device=device)
+            logits = model(input_ids=input_ids, use_cache=False, logits_to_keep=keep).logits
+            logits = logits[:, -keep:].float()  # models that ignore logits_to_keep return all positions
+            for i, (seq, n_context, target) in enumerate(chunk):
+                first = keep - 1 - (length - n_context)  # index of the step that predicts target[0]
+                lg = logits[i, first : first + len(target)]
+                tgt = torch.tensor(target, device=device)
+                pred = lg.argmax(-1)
+                exact.append(float(bool((pred == tgt).all())))
+                scored = _scored_positions(tokenizer, target)
+                tok_acc.append(float((pred == tgt)[scored].float().mean()))
+                logprob.append(float(torch.log_softmax(lg, -1).gather(-1, tgt[:, None]).mean()))
+    return {"accuracy": sum(exact) / len(exact), "token_accuracy": sum(tok_acc) / len(tok_acc),
+            "key_logprob": sum(logprob) / len(logprob)}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -726,32 +747,15 @@ def evaluate(student, teacher, tokenizer, heldout_windows, *, sinks: int = 1, wi
     Returns a JSON-serialisable dict (``seconds_by_part`` says where the time went); render it with
     :func:`format_table`.
     """
-    from .retention_baseline import equal_memory_retention, retention_baseline
-
     say = _log_fn(log)
     started = time.time()
     timer = _Timer()
     windows, text_source, stride = _unpack_windows(heldout_windows, text_source, stride)
-    long = None
-    if long_windows is not None:
-        long, _, _ = _unpack_windows(long_windows)
-        if max_long_windows is not None:
-            if max_long_windows < 0:
-                raise ValueError(f"max_long_windows must be >= 0, got {max_long_windows}")
-            long = long[:max_long_windows]
-        if long.shape[0] == 0:
-            long = None
+    long = _bounded_long_windows(long_windows, max_long_windows)
     if recall_trials < 1:
         raise ValueError(f"recall_trials must be >= 1, got {recall_trials}")
     student_window = int(student.config.window_size)
-    if recall_distances is None:
-        if student_window >= 1:
-            recall_distances = [int(m) * student_window for m in recall_multiples]
-        else:
-            recall_distances = list(DEFAULT_RECALL_DISTANCES)
-    recall_distances = list(recall_distances)
-    if not recall_distances or any(int(d) < 0 for d in recall_distances):
-        raise ValueError(f"recall distances must be a non-empty list of tokens >= 0, got {recall_distances}")
+    recall_distances = _recall_distances(recall_distances, student_window, recall_multiples)
     if quick:
         windows = windows[:4]
         long = long[:1] if long is not None else None
@@ -764,8 +768,6 @@ def evaluate(student, teacher, tokenizer, heldout_windows, *, sinks: int = 1, wi
     kv_dtype = _param_dtype(student)
     if buckets is None:
         buckets = position_buckets(student_window, max(L, long.shape[1] if long is not None else 0))
-    # long windows in batches of about as many tokens as the main ones (memory: [batch, L, vocab] logits)
-    long_batch = max(1, batch_size * L // long.shape[1]) if long is not None else None
 
     results = {
         "setup": {
@@ -788,7 +790,61 @@ def evaluate(student, teacher, tokenizer, heldout_windows, *, sinks: int = 1, wi
             "seed": int(seed),
         }
     }
+    models = _compared_models(student, teacher, results, sinks=sinks, window=window, kv_dtype=kv_dtype, length=L,
+                              contexts=contexts, quick=quick, retention=retention)
+    # long windows in batches of about as many tokens as the main ones (memory: [batch, L, vocab] logits)
+    long_batch = max(1, batch_size * L // long.shape[1]) if long is not None else None
+    _score_perplexity(models, windows, long, batch_size, long_batch, long_range_from, buckets, timer, say)
+    results["perplexity"] = [entry for entry, _ in models]
+    results["recall"] = [
+        _recall_of(entry, model, tokenizer, windows.reshape(-1), recall_distances, recall_trials, seed, wording,
+                   batch_size, student_window, timer, say)
+        for wording in recall_wordings for entry, model in models
+    ]
 
+    say("samples")
+    with timer.part("samples", "teacher and student"):
+        results["samples"] = {
+            "max_new_tokens": int(max_new_tokens),
+            "teacher": sample_generations(teacher, tokenizer, prompts, max_new_tokens),
+            "student": sample_generations(student, tokenizer, prompts, max_new_tokens),
+        }
+    results["seconds_by_part"] = timer.seconds
+    results["seconds"] = round(time.time() - started, 1)
+    say(f"evaluation done in {results['seconds']} s")
+    return results
+
+
+def _bounded_long_windows(long_windows, max_long_windows: Optional[int]) -> Optional[torch.Tensor]:
+    if long_windows is None:
+        return None
+    long, _, _ = _unpack_windows(long_windows)
+    if max_long_windows is not None:
+        if max_long_windows < 0:
+            raise ValueError(f"max_long_windows must be >= 0, got {max_long_windows}")
+        long = long[:max_long_windows]
+    return long if long.shape[0] else None
+
+
+def _recall_distances(recall_distances, student_window: int, recall_multiples: Sequence[int]) -> list:
+    if recall_distances is None:
+        if student_window >= 1:
+            recall_distances = [int(m) * student_window for m in recall_multiples]
+        else:
+            recall_distances = list(DEFAULT_RECALL_DISTANCES)
+    recall_distances = list(recall_distances)
+    if not recall_distances or any(int(d) < 0 for d in recall_distances):
+        raise ValueError(f"recall distances must be a non-empty list of tokens >= 0, got {recall_distances}")
+    return recall_distances
+
+
+def _compared_models(student, teacher, results: dict, *, sinks: int, window, kv_dtype: torch.dtype, length: int,
+                     contexts: Sequence[int], quick: bool, retention: bool) -> list[tuple[dict, nn.Module]]:
+    """[(entry, model)] of the teacher, the student and the baselines (see :func:`evaluate`); records the memory
+    comparisons (``equal_memory``, ``memory``, ``equal_memory_retention``) in ``results``."""
+    from .retention_baseline import equal_memory_retention, retention_baseline
+
+    student_window = int(student.config.window_size)
     equal = equal_memory_window(student.config, teacher.config, sinks, kv_dtype)
     results["equal_memory"] = equal
     extra = [window] if isinstance(window, int) else list(window or [])
@@ -802,8 +858,8 @@ def evaluate(student, teacher, tokenizer, heldout_windows, *, sinks: int = 1, wi
     results["memory"] = memory
 
     models = [
-        ({"name": "teacher", "kind": "teacher", "memory_bytes": per_token * L,
-          "memory_note": f"KV at {L} tokens, grows"}, teacher),
+        ({"name": "teacher", "kind": "teacher", "memory_bytes": per_token * length,
+          "memory_note": f"KV at {length} tokens, grows"}, teacher),
         ({"name": "student (Aaren)", "kind": "student", "memory_bytes": memory["student_state_bytes"],
           "memory_note": "constant"}, student),
     ]
@@ -822,7 +878,13 @@ def evaluate(student, teacher, tokenizer, heldout_windows, *, sinks: int = 1, wi
                                 "(equal memory)", "kind": "retention", "sinks": kept["sinks"],
                         "window": kept["window"], "memory": kept["memory"], "memory_bytes": base.kv_bytes(kv_dtype),
                         "memory_note": "constant"}, base))
+    return models
 
+
+def _score_perplexity(models: list, windows: torch.Tensor, long: Optional[torch.Tensor], batch_size: int,
+                      long_batch: Optional[int], long_range_from: int, buckets, timer: _Timer, say) -> None:
+    """Each entry's ``ppl`` (and ``ppl_long``) and its ratios to the teacher's (the first entry)."""
+    N, L = windows.shape
     for entry, model in models:
         # the retention baseline holds no [batch, L, vocab] logits, and its step-by-step scan is mostly per-step
         # overhead (measured: 16 sequences cost 3.2x one): it takes up to 16 windows at a time
@@ -840,34 +902,21 @@ def evaluate(student, teacher, tokenizer, heldout_windows, *, sinks: int = 1, wi
     for entry, _ in models:
         entry["ratio_to_teacher"] = entry["ppl"]["ppl"] / teacher_ppl
         entry["ratio_to_teacher_long"] = entry["ppl_long"]["ppl"] / teacher_long if long is not None else None
-    results["perplexity"] = [entry for entry, _ in models]
 
-    filler = windows.reshape(-1)
-    results["recall"] = []
-    for wording in recall_wordings:
-        for entry, model in models:
-            say(f"recall probe ({wording}): {entry['name']}")
-            with timer.part("recall", f"{entry['name']} / {wording}"):
-                probe = recall_probe(model, tokenizer, recall_distances, recall_trials, seed, filler_ids=filler,
-                                     wording=wording, batch_size=batch_size)
-            probe["name"] = entry["name"]
-            for field in ("window", "sinks", "memory"):
-                if field in entry:
-                    probe[field] = entry[field]
-            probe["window_multiple"] = [d / student_window if student_window else None for d in recall_distances]
-            results["recall"].append(probe)
 
-    say("samples")
-    with timer.part("samples", "teacher and student"):
-        results["samples"] = {
-            "max_new_tokens": int(max_new_tokens),
-            "teacher": sample_generations(teacher, tokenizer, prompts, max_new_tokens),
-            "student": sample_generations(student, tokenizer, prompts, max_new_tokens),
-        }
-    results["seconds_by_part"] = timer.seconds
-    results["seconds"] = round(time.time() - started, 1)
-    say(f"evaluation done in {results['seconds']} s")
-    return results
+def _recall_of(entry: dict, model, tokenizer, filler: torch.Tensor, distances: list, trials: int, seed: int,
+               wording: str, batch_size: int, student_window: int, timer: _Timer, say) -> dict:
+    """One model's :func:`recall_probe` in one wording, labelled with the model's name, window, sinks and memory."""
+    say(f"recall probe ({wording}): {entry['name']}")
+    with timer.part("recall", f"{entry['name']} / {wording}"):
+        probe = recall_probe(model, tokenizer, distances, trials, seed, filler_ids=filler, wording=wording,
+                             batch_size=batch_size)
+    probe["name"] = entry["name"]
+    for field in ("window", "sinks", "memory"):
+        if field in entry:
+            probe[field] = entry[field]
+    probe["window_multiple"] = [d / student_window if student_window else None for d in distances]
+    return probe
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -946,95 +995,103 @@ def _timing_lines(results: dict) -> list:
 def format_table(results: dict) -> str:
     """Markdown tables of an :func:`evaluate` result: setup, perplexity (teacher vs student vs baselines), recall
     over distance, memory vs context, samples."""
-    out = []
-    s = results.get("setup", {})
-    if s:
-        out.append(
-            f"Held-out text: {s.get('text_source')}; {s.get('windows')} windows of {s.get('window_length')} tokens, "
-            f"stride {s.get('stride')} (non-overlapping when equal to the length), {s.get('tokens')} tokens "
-            f"({s.get('predicted_tokens')} predicted). Each window is scored on its own, no context carried over. "
-            f"Memory per sequence, keys/values in {s.get('kv_dtype')}."
-        )
-        out.append("")
-
+    out = _setup_lines(results.get("setup", {}))
     if results.get("perplexity"):
-        models = results["perplexity"]
-        lr = models[0]["ppl"]["from_position"]
-        long = models[0].get("ppl_long")
-        out.append("### Perplexity")
-        out.append("")
-        length = models[0]["ppl"]["window_length"]
-        head = f"| model | ppl ({length} tokens) | ratio to teacher | ppl at positions >= {lr} |"
-        rule = "|---|---|---|---|"
-        if long:
-            head += f" ppl ({long['window_length']} tokens) | ratio to teacher |"
-            rule += "---|---|"
-        out.append(head + " state / KV bytes |")
-        out.append(rule + "---|")
-        for m in models:
-            p = m["ppl"]
-            line = (f"| {_md_cell(m['name'])} | {_fmt(p['ppl'])} | {_fmt(m['ratio_to_teacher'])}x | "
-                    f"{_fmt(p['ppl_from_position'])} |")
-            if long:
-                line += f" {_fmt(m['ppl_long']['ppl'])} | {_fmt(m['ratio_to_teacher_long'])}x |"
-            out.append(line + f" {format_bytes(m['memory_bytes'])} ({m['memory_note']}) |")
-        eq = results.get("equal_memory")
-        if eq:
-            out.append("")
-            out.append(
-                f"Equal memory: the student's state is {format_bytes(eq['student_state_bytes'])}; the teacher needs "
-                f"{format_bytes(eq['teacher_kv_bytes_per_token'])} per token, so the baseline with {eq['sinks']} sink(s) "
-                f"gets a window of {eq['window']} tokens ({format_bytes(eq['baseline_kv_bytes'])})"
-                + (" (clamped to 1: the student's state is smaller than that)" if eq.get("clamped") else "") + "."
-                " The baseline is the teacher, untrained, with a StreamingLLM attention mask at natural positions."
-            )
-        kept = results.get("equal_memory_retention")
-        if kept:
-            out.append(
-                f"The retention baseline (TOVA) has the same bytes at most ({format_bytes(kept['baseline_kv_bytes'])}):"
-                f" {kept['sinks']} sink(s) + the student's window of {kept['window']} + {kept['memory']} tokens kept, "
-                "per layer, by TOVA's rule (when a token leaves the window and the memory is full, the one with the "
-                "lowest attention weight from the current query, averaged over the layer's heads, is dropped); the "
-                "teacher untrained, decoding token by token with that cache."
-            )
-        out.append("")
-        out.extend(_position_table(models))
-
+        out.extend(_perplexity_lines(results))
     if results.get("recall"):
         out.extend(_recall_tables(results["recall"], results.get("setup", {}).get("student_window")))
-
-    mem = results.get("memory")
-    if mem:
-        out.append("### Memory vs context (per sequence)")
-        out.append("")
-        has_base = mem.get("baseline") is not None
-        head = "| context | teacher KV cache | student state | "
-        head += f"StreamingLLM S={mem['baseline']['sinks']} W={mem['baseline']['window']} | " if has_base else ""
-        out.append(head + "teacher / student |")
-        out.append("|---|---|---|" + ("---|" if has_base else "") + "---|")
-        for r in mem["rows"]:
-            line = f"| {r['context']} | {format_bytes(r['teacher_kv_bytes'])} | {format_bytes(r['student_state_bytes'])} | "
-            if has_base:
-                line += f"{format_bytes(r.get('baseline_kv_bytes'))} | "
-            out.append(line + f"{_fmt(r['teacher_over_student'], 1)}x |")
-        out.append("")
-        a, b = mem["student_state_bytes_measured_at"]
-        out.append(
-            f"Student state measured from its AarenCache after {a} and after {b} tokens: "
-            f"{'identical' if mem['student_state_constant'] else 'NOT identical'} "
-            f"({mem['student_state_bytes']} bytes). Teacher KV: 2 x layers x kv_heads x head_dim x tokens x bytes "
-            f"= {mem['teacher_kv_bytes_per_token']} bytes per token."
-        )
-        out.append("")
-
+    if results.get("memory"):
+        out.extend(_memory_lines(results["memory"]))
     out.extend(_timing_lines(results))
-    samples = results.get("samples")
-    if samples:
-        out.append(f"### Samples (greedy, {samples['max_new_tokens']} new tokens)")
-        out.append("")
-        out.append("| prompt | teacher | student |")
-        out.append("|---|---|---|")
-        for t, st in zip(samples["teacher"], samples["student"]):
-            out.append(f"| {_md_cell(t['prompt'])} | {_md_cell(t['completion'])} | {_md_cell(st['completion'])} |")
-        out.append("")
+    if results.get("samples"):
+        out.extend(_sample_lines(results["samples"]))
     return "\n".join(out).rstrip() + "\n"
+
+
+def _setup_lines(s: dict) -> list:
+    if not s:
+        return []
+    return [
+        f"Held-out text: {s.get('text_source')}; {s.get('windows')} windows of {s.get('window_length')} tokens, "
+        f"stride {s.get('stride')} (non-overlapping when equal to the length), {s.get('tokens')} tokens "
+        f"({s.get('predicted_tokens')} predicted). Each window is scored on its own, no context carried over. "
+        f"Memory per sequence, keys/values in {s.get('kv_dtype')}.",
+        "",
+    ]
+
+
+def _perplexity_lines(results: dict) -> list:
+    """The perplexity table, what the baselines' equal memory means, and perplexity by position."""
+    models = results["perplexity"]
+    lr = models[0]["ppl"]["from_position"]
+    long = models[0].get("ppl_long")
+    out = ["### Perplexity", ""]
+    length = models[0]["ppl"]["window_length"]
+    head = f"| model | ppl ({length} tokens) | ratio to teacher | ppl at positions >= {lr} |"
+    rule = "|---|---|---|---|"
+    if long:
+        head += f" ppl ({long['window_length']} tokens) | ratio to teacher |"
+        rule += "---|---|"
+    out.append(head + " state / KV bytes |")
+    out.append(rule + "---|")
+    for m in models:
+        p = m["ppl"]
+        line = (f"| {_md_cell(m['name'])} | {_fmt(p['ppl'])} | {_fmt(m['ratio_to_teacher'])}x | "
+                f"{_fmt(p['ppl_from_position'])} |")
+        if long:
+            line += f" {_fmt(m['ppl_long']['ppl'])} | {_fmt(m['ratio_to_teacher_long'])}x |"
+        out.append(line + f" {format_bytes(m['memory_bytes'])} ({m['memory_note']}) |")
+    eq = results.get("equal_memory")
+    if eq:
+        out.append("")
+        out.append(
+            f"Equal memory: the student's state is {format_bytes(eq['student_state_bytes'])}; the teacher needs "
+            f"{format_bytes(eq['teacher_kv_bytes_per_token'])} per token, so the baseline with {eq['sinks']} sink(s) "
+            f"gets a window of {eq['window']} tokens ({format_bytes(eq['baseline_kv_bytes'])})"
+            + (" (clamped to 1: the student's state is smaller than that)" if eq.get("clamped") else "") + "."
+            " The baseline is the teacher, untrained, with a StreamingLLM attention mask at natural positions."
+        )
+    kept = results.get("equal_memory_retention")
+    if kept:
+        out.append(
+            f"The retention baseline (TOVA) has the same bytes at most ({format_bytes(kept['baseline_kv_bytes'])}):"
+            f" {kept['sinks']} sink(s) + the student's window of {kept['window']} + {kept['memory']} tokens kept, "
+            "per layer, by TOVA's rule (when a token leaves the window and the memory is full, the one with the "
+            "lowest attention weight from the current query, averaged over the layer's heads, is dropped); the "
+            "teacher untrained, decoding token by token with that cache."
+        )
+    out.append("")
+    return out + _position_table(models)
+
+
+def _memory_lines(mem: dict) -> list:
+    out = ["### Memory vs context (per sequence)", ""]
+    has_base = mem.get("baseline") is not None
+    head = "| context | teacher KV cache | student state | "
+    head += f"StreamingLLM S={mem['baseline']['sinks']} W={mem['baseline']['window']} | " if has_base else ""
+    out.append(head + "teacher / student |")
+    out.append("|---|---|---|" + ("---|" if has_base else "") + "---|")
+    for r in mem["rows"]:
+        line = f"| {r['context']} | {format_bytes(r['teacher_kv_bytes'])} | {format_bytes(r['student_state_bytes'])} | "
+        if has_base:
+            line += f"{format_bytes(r.get('baseline_kv_bytes'))} | "
+        out.append(line + f"{_fmt(r['teacher_over_student'], 1)}x |")
+    out.append("")
+    a, b = mem["student_state_bytes_measured_at"]
+    out.append(
+        f"Student state measured from its AarenCache after {a} and after {b} tokens: "
+        f"{'identical' if mem['student_state_constant'] else 'NOT identical'} "
+        f"({mem['student_state_bytes']} bytes). Teacher KV: 2 x layers x kv_heads x head_dim x tokens x bytes "
+        f"= {mem['teacher_kv_bytes_per_token']} bytes per token."
+    )
+    out.append("")
+    return out
+
+
+def _sample_lines(samples: dict) -> list:
+    out = [f"### Samples (greedy, {samples['max_new_tokens']} new tokens)", "", "| prompt | teacher | student |",
+           "|---|---|---|"]
+    for t, st in zip(samples["teacher"], samples["student"]):
+        out.append(f"| {_md_cell(t['prompt'])} | {_md_cell(t['completion'])} | {_md_cell(st['completion'])} |")
+    out.append("")
+    return out

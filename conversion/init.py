@@ -29,6 +29,8 @@ from typing import Callable, Optional
 
 import torch
 
+from aaren_hf.modeling_aaren import AarenMixer
+
 from .adapters import teacher_layers, teacher_qkv
 
 __all__ = ["attention_statistics", "kmeans", "initialize_student", "spread_multipliers"]
@@ -288,9 +290,24 @@ def _set_layers(layers, mixers, stats, report, H, J, D, dtype, multipliers, seed
         report["layers"].append(entry)
 
 
+def mixer_attribute(name: str) -> Optional[str]:
+    """The mixer attribute a model parameter belongs to ("queries", "q_proj", ...); None outside the mixers. A PEFT
+    name (``...mixer.q_proj.base_layer.weight``) gives the attribute it wraps."""
+    return name.split(".mixer.", 1)[1].split(".", 1)[0] if ".mixer." in name else None
+
+
+def is_new_parameter(name: str) -> bool:
+    """Whether a model parameter has no counterpart in the teacher (``AarenMixer.NEW_PARAMETERS``)."""
+    return mixer_attribute(name) in AarenMixer.NEW_PARAMETERS
+
+
+def never_trained(attribute: Optional[str], decay: str) -> bool:
+    """Mixer parameters that no stage trains: a "fixed" decay, and the memory's retention score, which is fitted in
+    closed form in stage 1 (retention.py) and only ranks tokens, so no gradient reaches it (and DDP refuses a
+    parameter without one)."""
+    return (attribute == "log_decay" and decay == "fixed") or attribute == "retention_proj"
+
+
 def new_parameter_names(student) -> list[str]:
     """Names of the mixer parameters that do not come from the teacher (what :func:`initialize_student` sets)."""
-    from aaren_hf.modeling_aaren import AarenMixer
-
-    return [name for name, _ in student.named_parameters()
-            if ".mixer." in name and name.split(".mixer.", 1)[1].split(".")[0] in AarenMixer.NEW_PARAMETERS]
+    return [name for name, _ in student.named_parameters() if is_new_parameter(name)]

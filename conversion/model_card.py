@@ -125,22 +125,32 @@ def render_model_card(recipe_info: dict, results: Optional[dict], model_name: Op
     recipe_info = dict(recipe_info or {})
     meta = _front_matter(recipe_info)
     teacher = recipe_info.get("teacher")
-    info = teacher_hub_info(teacher)
     teacher_label = meta.get("base_model") or (Path(str(teacher)).name if teacher else "a pretrained Transformer")
     name = model_name or recipe_info.get("model_name") or "Aaren student"
-    student_cfg = recipe_info.get("student_config") or {}
-
     lines = ["---", yaml.safe_dump(meta, sort_keys=False).rstrip(), "---", "", f"# {name}", ""]
-    lines.append(
+    lines += _introduction(recipe_info, meta, teacher_label)
+    lines += _how_to_load(recipe_info)
+    lines += _recipe_lines(recipe_info, teacher_label)
+    lines += _evaluation_lines(results)
+    lines += ["", "## Limitations", "",
+              "- A converted model inherits its teacher's data, biases and license, and adds the conversion's own "
+              "errors: long-range recall and knowledge-heavy tasks are where conversions lose most.",
+              "- Evaluated on the text and settings stated above only."]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _introduction(recipe_info: dict, meta: dict, teacher_label: str) -> list:
+    """What the model is, its architecture, where the teacher came from, and what is not known here."""
+    lines = [
         f"An [Aaren](https://arxiv.org/abs/2405.13956) (\"Attention as an RNN\") language model converted from "
         f"**{teacher_label}** by distillation with [aaren-hf](https://pypi.org/project/aaren-hf/). Each softmax "
         "attention layer is replaced by an Aaren mixer that keeps a fixed-size recurrent state, so generation needs "
         "the same memory at every context length instead of a key/value cache that grows with it."
-    )
-    summary = _student_summary(student_cfg)
+    ]
+    summary = _student_summary(recipe_info.get("student_config") or {})
     if summary:
         lines += ["", f"Architecture: {summary}."]
-    source = recipe_info.get("teacher_source") or info.get("source")
+    source = recipe_info.get("teacher_source") or teacher_hub_info(recipe_info.get("teacher")).get("source")
     if source:
         lines += ["", f"Teacher weights: {source} (4-bit rounded weights expanded to float, not bit-identical "
                       "to the original checkpoint)." if "gguf" in str(source).lower() else
@@ -150,19 +160,23 @@ def render_model_card(recipe_info: dict, results: Optional[dict], model_name: Op
                       "--base-model OWNER/NAME` adds it before uploading."]
     if meta["license"] == "unknown":
         lines += ["", "License: unknown here; check the teacher's license, which this model inherits."]
+    return lines
 
-    lines += ["", "## How to load", "", "```python",
-              "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
-              'path = "path/or/hub-name/of/this/model"',
-              "tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=True)",
-              "model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)",
-              'inputs = tokenizer("The capital of France is", return_tensors="pt")',
-              "out = model.generate(**inputs, max_new_tokens=20, do_sample=False)",
-              "print(tokenizer.decode(out[0], skip_special_tokens=True))", "```", "",
-              "The modelling code travels with the weights (`trust_remote_code=True`); with `aaren-hf` installed, "
-              "`import aaren_hf` registers the model class and `trust_remote_code` is not needed. The cache returned "
-              "by `generate` is an `AarenCache` (fixed size; it cannot be cropped, so assisted decoding is not "
-              "supported)."]
+
+def _how_to_load(recipe_info: dict) -> list:
+    lines = ["", "## How to load", "", "```python",
+             "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
+             'path = "path/or/hub-name/of/this/model"',
+             "tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=True)",
+             "model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)",
+             'inputs = tokenizer("The capital of France is", return_tensors="pt")',
+             "out = model.generate(**inputs, max_new_tokens=20, do_sample=False)",
+             "print(tokenizer.decode(out[0], skip_special_tokens=True))", "```", "",
+             "The modelling code travels with the weights (`trust_remote_code=True`); with `aaren-hf` installed, "
+             "`import aaren_hf` registers the model class and `trust_remote_code` is not needed. The cache returned "
+             "by `generate` is an `AarenCache` (fixed size; it cannot be cropped, so assisted decoding is not "
+             "supported)."]
+    student_cfg = recipe_info.get("student_config") or {}
     context = min(int(recipe_info.get("context") or 2048),
                   int(student_cfg.get("max_position_embeddings") or 1 << 20))
     lines += ["", "With [lm-evaluation-harness](https://github.com/EleutherAI/lm-evaluation-harness), pass "
@@ -171,8 +185,13 @@ def render_model_card(recipe_info: dict, results: Optional[dict], model_name: Op
               "--tasks wikitext", "```", "",
               "Without it lm-eval takes `max_position_embeddings` as the context, which for a model without a "
               "position table is 2^20 (no limit), and puts each whole document into one forward pass."]
+    return lines
 
-    lines += ["", "## Conversion recipe", "", "| | |", "|---|---|"]
+
+def _recipe_lines(recipe_info: dict, teacher_label: str) -> list:
+    """The recipe table (teacher, data, tokens, any other key), the stages, the options, the command, the notes."""
+    teacher = recipe_info.get("teacher")
+    lines = ["", "## Conversion recipe", "", "| | |", "|---|---|"]
     if teacher:
         lines.append(f"| teacher | {_value(teacher_label)}" + (f" (loaded from `{teacher}`)" if str(teacher) != teacher_label else "") + " |")
     known = {"teacher", "base_model", "license", "model_name", "stages", "options", "student_config", "tags",
@@ -203,23 +222,19 @@ def render_model_card(recipe_info: dict, results: Optional[dict], model_name: Op
         lines += ["", "Command:", "", "```bash", str(recipe_info["command"]), "```"]
     if recipe_info.get("notes"):
         lines += ["", str(recipe_info["notes"])]
+    return lines
 
-    lines += ["", "## Evaluation", ""]
-    if results:
-        lines.append(format_table(escape_controls(results)).rstrip())
-        lines += ["", "Perplexity depends on the window length, the stride and the text: the numbers above compare "
-                  "teacher, student and baseline on exactly the same windows and are not comparable to numbers "
-                  "measured in another setting. The StreamingLLM baseline is the teacher itself, untrained, seeing "
-                  "only its sink tokens and the last W tokens; its W is chosen so that its key/value bytes equal the "
-                  "student's state bytes (equal memory)."]
-    else:
-        lines.append("Not evaluated.")
 
-    lines += ["", "## Limitations", "",
-              "- A converted model inherits its teacher's data, biases and license, and adds the conversion's own "
-              "errors: long-range recall and knowledge-heavy tasks are where conversions lose most.",
-              "- Evaluated on the text and settings stated above only."]
-    return "\n".join(lines).rstrip() + "\n"
+def _evaluation_lines(results: Optional[dict]) -> list:
+    lines = ["", "## Evaluation", ""]
+    if not results:
+        return lines + ["Not evaluated."]
+    lines.append(format_table(escape_controls(results)).rstrip())
+    return lines + ["", "Perplexity depends on the window length, the stride and the text: the numbers above compare "
+                    "teacher, student and baseline on exactly the same windows and are not comparable to numbers "
+                    "measured in another setting. The StreamingLLM baseline is the teacher itself, untrained, seeing "
+                    "only its sink tokens and the last W tokens; its W is chosen so that its key/value bytes equal "
+                    "the student's state bytes (equal memory)."]
 
 
 def finish_folder(folder, tokenizer_class: Optional[str] = None) -> Optional[dict]:

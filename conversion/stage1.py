@@ -18,6 +18,7 @@ a finished layer is stored as ``stage1/layer_XXX.safetensors`` + ``.json``, so a
 from __future__ import annotations
 
 import math
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -26,13 +27,14 @@ from typing import Callable, Optional
 import torch
 from safetensors.torch import load_file
 
+from aaren_hf.modeling_aaren import AarenMixer
+
 from . import train_state as ts
 from .adapters import teacher_layers
+from .init import never_trained
 from .retention import coverage, fit_retention, rule_scores, teacher_attention
 
 __all__ = ["Stage1Options", "capture_attention", "fvu", "run_stage1", "train_mixer", "mixer_trainable_parameters"]
-
-TEACHER_INIT_PARAMS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
 
 
 @dataclass
@@ -152,31 +154,21 @@ def capture_attention(teacher, windows: torch.Tensor, layers: list[int], *, dtyp
 
 def mixer_trainable_parameters(mixer, train_teacher_weights: bool = True) -> tuple[list, list]:
     """(new parameters, teacher-initialised parameters) of a mixer that will train; frozen ones get
-    ``requires_grad=False``. A "fixed" decay never trains."""
+    ``requires_grad=False`` (:func:`init.never_trained`). New: ``AarenMixer.NEW_PARAMETERS``; the rest came from
+    the teacher."""
     new, inherited = [], []
     for name, p in mixer.named_parameters():
         top = name.split(".", 1)[0]
-        if (top == "log_decay" and getattr(mixer, "decay", None) == "fixed") or top == "retention_proj":
-            p.requires_grad_(False)  # retention_proj: fitted in closed form (retention.py), no gradient reaches it
-        elif top in TEACHER_INIT_PARAMS:
+        if never_trained(top, getattr(mixer, "decay", None)):
+            p.requires_grad_(False)
+        elif top in AarenMixer.NEW_PARAMETERS:
+            p.requires_grad_(True)
+            new.append(p)
+        else:
             p.requires_grad_(train_teacher_weights)
             if train_teacher_weights:
                 inherited.append(p)
-        else:
-            p.requires_grad_(True)
-            new.append(p)
     return new, inherited
-
-
-def lr_at(step: int, total: int, lr: float, warmup: int, min_ratio: float) -> float:
-    """Linear warmup over ``warmup`` steps (at most a fifth of the run), then cosine from lr to lr * min_ratio at
-    ``total``."""
-    warmup = min(warmup, total // 5)
-    if warmup > 0 and step < warmup:
-        return lr * (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    progress = min(max(progress, 0.0), 1.0)
-    return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def _positions(B, T, device):
@@ -220,14 +212,12 @@ def _target_variance(y: torch.Tensor) -> float:
 
 def train_mixer(mixer, x: torch.Tensor, y: torch.Tensor, opts: Stage1Options, *, seed: int, layer: int,
                 checkpoint_dir: Optional[Path] = None, heldout: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                progress=None, log: Optional[Callable[[str], None]] = None,
-                stop_after: Optional[int] = None) -> dict:
+                progress=None, log: Optional[Callable[[str], None]] = None) -> dict:
     """Train ``mixer`` to map x -> y (both [N, T, E]); returns a record with losses and held-out FVU.
 
     Deterministic given (seed, layer): step s uses windows :func:`train_state.sample_indices` (seed, s, stream=layer).
     With ``checkpoint_dir`` the optimizer state, parameters and step are saved every ``opts.checkpoint_every`` steps
-    and training resumes from there. ``stop_after``: return after that many steps of this call (tests: simulated
-    interruption)."""
+    and training resumes from there."""
     say = log or (lambda message: None)
     device = next(mixer.parameters()).device
     new, inherited = mixer_trainable_parameters(mixer, opts.train_teacher_weights)
@@ -240,26 +230,17 @@ def train_mixer(mixer, x: torch.Tensor, y: torch.Tensor, opts: Stage1Options, *,
     record = {"layer": layer, "steps": opts.steps, "target_variance": var}
     if heldout is not None:
         record["heldout_fvu_before"] = fvu(mixer, *heldout)
-    name = f"layer{layer:03d}"
-    start = 0
-    losses: list[float] = []
-    if checkpoint_dir is not None:
-        found = ts.latest_checkpoint(checkpoint_dir, name)
-        if found is not None:
-            state = ts.load_checkpoint(found, module=mixer, optimizer=optimizer)
-            start = state["step"]
-            losses = state["extra"].get("losses", [])
-            record.update(state["extra"].get("record", {}))
-            say(f"stage 1 layer {layer}: resumed at step {start}")
+    loop = ts.TrainingLoop(opts, module=mixer, optimizer=optimizer, folder=checkpoint_dir, name=f"layer{layer:03d}",
+                           label=f"stage 1 layer {layer}", lr_flag="--stage1-lr", history_key="losses")
+    resumed = loop.resume()
+    if resumed is not None:
+        record.update(resumed.get("record", {}))
+        say(f"stage 1 layer {layer}: resumed at step {loop.start}")
     N, T = x.shape[:2]
     mask, pos = _positions(opts.batch_size, T, device)
-    mixer.train()
-    ran = 0
-    started = time.time()
-    for step in range(start, opts.steps):
-        scale_lr = lr_at(step, opts.steps, opts.lr, opts.warmup, opts.min_lr_ratio)
-        for group in optimizer.param_groups:
-            group["lr"] = scale_lr * group["lr_scale"]
+    params = [p for g in groups for p in g["params"]]
+
+    def step_fn(step: int):
         idx = ts.sample_indices(seed, step, opts.batch_size, N, stream=1 + layer)
         xb = x[idx].to(device, torch.float32)
         yb = y[idx].to(device, torch.float32)
@@ -268,28 +249,18 @@ def train_mixer(mixer, x: torch.Tensor, y: torch.Tensor, opts: Stage1Options, *,
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if opts.grad_clip and opts.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_([p for g in groups for p in g["params"]], opts.grad_clip)
+            torch.nn.utils.clip_grad_norm_(params, opts.grad_clip)
         optimizer.step()
         value = float(loss.detach())
-        if not math.isfinite(value):
-            raise FloatingPointError(f"stage 1 layer {layer}: loss became {value} at step {step}; lower --stage1-lr")
-        losses.append(round(value, 6))
-        ran += 1
-        if progress is not None:
-            progress.update(1, value, xb.shape[0] * T)
-        done = step + 1
-        if checkpoint_dir is not None and opts.checkpoint_every and done % opts.checkpoint_every == 0 and done < opts.steps:
-            ts.save_checkpoint(checkpoint_dir, name, module=mixer, optimizer=optimizer, step=done,
-                               extra={"losses": losses, "record": record,
-                                      "cursor": ts.cursor(done, opts.batch_size, N)})
-        if stop_after is not None and ran >= stop_after:
-            record["interrupted_at"] = done
-            return record
+        return value, round(value, 6)
+
+    mixer.train()
+    started = time.time()
+    loop.run(step_fn, tokens_per_step=opts.batch_size * T, progress=progress,
+             extra=lambda done: {"record": record, "cursor": ts.cursor(done, opts.batch_size, N)})
     mixer.eval()
-    k = max(1, min(10, len(losses) // 3))
-    record["train_loss_first"] = float(sum(losses[:k]) / k) if losses else None
-    record["train_loss_last"] = float(sum(losses[-k:]) / k) if losses else None
-    record["losses"] = losses
+    record["train_loss_first"], record["train_loss_last"] = loop.loss_ends()
+    record["losses"] = loop.history
     record["seconds"] = round(time.time() - started, 1)
     if heldout is not None:
         record["heldout_fvu_after"] = fvu(mixer, *heldout)
@@ -367,10 +338,10 @@ def _broadcast_records(records: dict, num_layers: int, accelerator) -> dict:
 
 def run_stage1(student, teacher, train_windows: torch.Tensor, heldout_windows: torch.Tensor, opts: Stage1Options,
                *, seed: int, work_dir: Path, accelerator=None, log: Optional[Callable[[str], None]] = None,
-               progress_factory=None, stop_after: Optional[int] = None) -> dict:
+               progress_factory=None) -> dict:
     """Stage 1 on every layer of ``student`` (in place). Returns ``{"layers": [record, ...], "seconds": ...}``.
 
-    ``progress_factory(total, desc)`` returns a :class:`train_state.Progress` (or None: no display). ``stop_after``: stop after that many training steps in this call (tests)."""
+    ``progress_factory(total, desc)`` returns a :class:`train_state.Progress` (or None: no display)."""
     say = log or (lambda message: None)
     started = time.time()
     folder = Path(work_dir) / "stage1"
@@ -395,57 +366,10 @@ def run_stage1(student, teacher, train_windows: torch.Tensor, heldout_windows: t
         say(f"stage 1: {len(mine) - len(todo)} layer(s) already trained (resumed)")
 
     if todo:
-        dtype = getattr(torch, opts.capture_dtype)
-        say(f"stage 1: capturing teacher attention for layers {todo[0]}-{todo[-1]} on {windows.shape[0]} training "
-            f"+ {heldout.shape[0]} held-out windows of {windows.shape[1]} tokens ({opts.capture_dtype})")
-        t0 = time.time()
-        bar = progress_factory(windows.shape[0] + heldout.shape[0], "stage 1: capture") if progress_factory else None
-        spill = folder / f"activations-rank{rank}"
-        acts = capture_attention(teacher, windows, todo, dtype=dtype, batch_size=opts.capture_batch_size,
-                                 spill_dir=spill, memory_fraction=opts.memory_fraction,
-                                 progress=bar.update_to if bar else None, log=say)
-        base = windows.shape[0]
-        held = {}
-        if heldout.shape[0]:
-            held = capture_attention(teacher, heldout, todo, dtype=dtype, batch_size=opts.capture_batch_size,
-                                     progress=(lambda n: bar.update_to(base + n)) if bar else None)
-        if bar:
-            bar.close()
-        say(f"stage 1: capture took {time.time() - t0:.0f} s")
-
-        bar = progress_factory(len(todo) * opts.steps, "stage 1: layers") if progress_factory else None
-        tlayers = teacher_layers(teacher)
-        for i in todo:
-            mixer = student.model.layers[i].mixer
-            x, y = acts.pop(i)
-            ho = held.pop(i) if i in held else None
-            ho32 = (ho[0].float(), ho[1].float()) if ho is not None else None
-            if bar is not None:
-                bar.set_description(f"stage 1: layer {i}")
-            rec = train_mixer(mixer, x, y, opts, seed=seed, layer=i, checkpoint_dir=folder / "checkpoints",
-                              heldout=ho32, progress=bar, log=say, stop_after=stop_after)
-            if "interrupted_at" in rec:
-                if bar:
-                    bar.close()
-                return {"interrupted": True, "layer": i, "step": rec["interrupted_at"]}
-            if getattr(mixer, "memory_size", 0) > 0:
-                rec["memory"] = fit_memory(mixer, tlayers[i], x, ho32[0] if ho32 is not None else None)
-                say(f"stage 1 layer {i:2d}: memory " + ", ".join(f"{k} {v:.3f}" for k, v in rec["memory"].items()))
-            weights, meta = _layer_files(folder, i)
-            ts.atomic_save_tensors(weights, ts.trainable_state(mixer, include_frozen=True))
-            ts.atomic_write_json(meta, rec)
-            ts.remove_checkpoints(folder / "checkpoints", f"layer{i:03d}")
-            records[i] = rec
-            say(f"stage 1 layer {i:2d}: loss {rec['train_loss_first']:.3f} -> {rec['train_loss_last']:.3f}, "
-                f"held-out FVU {rec.get('heldout_fvu_before', float('nan')):.3f} -> "
-                f"{rec.get('heldout_fvu_after', float('nan')):.3f} ({rec['seconds']:.0f} s)")
-            del x, y
-        if bar:
-            bar.close()
-        if folder.joinpath(f"activations-rank{rank}").exists():
-            import shutil
-
-            shutil.rmtree(folder / f"activations-rank{rank}", ignore_errors=True)
+        acts, held = _capture_layers(teacher, windows, heldout, todo, opts, folder / f"activations-rank{rank}", say,
+                                     progress_factory)
+        records.update(_train_layers(student, teacher, acts, held, todo, opts, seed, folder, say, progress_factory))
+        shutil.rmtree(folder / f"activations-rank{rank}", ignore_errors=True)
 
     for i in range(num_layers):
         student.model.layers[i].mixer.requires_grad_(True)
@@ -465,6 +389,62 @@ def run_stage1(student, teacher, train_windows: torch.Tensor, heldout_windows: t
         "seconds": round(time.time() - started, 1),
     }
     return summary
+
+
+def _capture_layers(teacher, windows: torch.Tensor, heldout: torch.Tensor, layers: list[int], opts: Stage1Options,
+                    spill: Path, say, progress_factory) -> tuple[dict, dict]:
+    """The teacher's attention inputs and outputs for ``layers``: (on the training windows, on the held-out ones)."""
+    dtype = getattr(torch, opts.capture_dtype)
+    say(f"stage 1: capturing teacher attention for layers {layers[0]}-{layers[-1]} on {windows.shape[0]} training "
+        f"+ {heldout.shape[0]} held-out windows of {windows.shape[1]} tokens ({opts.capture_dtype})")
+    t0 = time.time()
+    bar = progress_factory(windows.shape[0] + heldout.shape[0], "stage 1: capture") if progress_factory else None
+    acts = capture_attention(teacher, windows, layers, dtype=dtype, batch_size=opts.capture_batch_size,
+                             spill_dir=spill, memory_fraction=opts.memory_fraction,
+                             progress=bar.update_to if bar else None, log=say)
+    base = windows.shape[0]
+    held = {}
+    if heldout.shape[0]:
+        held = capture_attention(teacher, heldout, layers, dtype=dtype, batch_size=opts.capture_batch_size,
+                                 progress=(lambda n: bar.update_to(base + n)) if bar else None)
+    if bar:
+        bar.close()
+    say(f"stage 1: capture took {time.time() - t0:.0f} s")
+    return acts, held
+
+
+def _train_layers(student, teacher, acts: dict, held: dict, layers: list[int], opts: Stage1Options, seed: int,
+                  folder: Path, say, progress_factory) -> dict[int, dict]:
+    """Train each layer's mixer on its captured activations (fit its memory tier too), store it as a finished
+    layer (:func:`_layer_files`) and drop its checkpoints; returns the layers' records. ``acts`` and ``held`` are
+    emptied as the layers are done, to free their memory."""
+    records = {}
+    bar = progress_factory(len(layers) * opts.steps, "stage 1: layers") if progress_factory else None
+    tlayers = teacher_layers(teacher)
+    for i in layers:
+        mixer = student.model.layers[i].mixer
+        x, y = acts.pop(i)
+        ho = held.pop(i) if i in held else None
+        ho32 = (ho[0].float(), ho[1].float()) if ho is not None else None
+        if bar is not None:
+            bar.set_description(f"stage 1: layer {i}")
+        rec = train_mixer(mixer, x, y, opts, seed=seed, layer=i, checkpoint_dir=folder / "checkpoints",
+                          heldout=ho32, progress=bar, log=say)
+        if getattr(mixer, "memory_size", 0) > 0:
+            rec["memory"] = fit_memory(mixer, tlayers[i], x, ho32[0] if ho32 is not None else None)
+            say(f"stage 1 layer {i:2d}: memory " + ", ".join(f"{k} {v:.3f}" for k, v in rec["memory"].items()))
+        weights, meta = _layer_files(folder, i)
+        ts.atomic_save_tensors(weights, ts.trainable_state(mixer, include_frozen=True))
+        ts.atomic_write_json(meta, rec)
+        ts.remove_checkpoints(folder / "checkpoints", f"layer{i:03d}")
+        records[i] = rec
+        say(f"stage 1 layer {i:2d}: loss {rec['train_loss_first']:.3f} -> {rec['train_loss_last']:.3f}, "
+            f"held-out FVU {rec.get('heldout_fvu_before', float('nan')):.3f} -> "
+            f"{rec.get('heldout_fvu_after', float('nan')):.3f} ({rec['seconds']:.0f} s)")
+        del x, y
+    if bar:
+        bar.close()
+    return records
 
 
 def fit_memory(mixer, teacher_layer, x: torch.Tensor, heldout_x: Optional[torch.Tensor], batch: int = 4) -> dict:

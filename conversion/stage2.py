@@ -19,8 +19,7 @@ run on N processes computes the same averaged gradient as one process (up to flo
 
 from __future__ import annotations
 
-import math
-import re
+import contextlib
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,16 +28,13 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from aaren_hf.modeling_aaren import AarenMixer
-
 from . import train_state as ts
-from .stage1 import lr_at
+from .init import is_new_parameter, mixer_attribute, never_trained
 
 __all__ = ["Stage2Options", "TRAINABLE_SETS", "distill_loss", "heldout_kl", "run_stage2", "select_trainable"]
 
 TRAINABLE_SETS = ("all", "mixer", "lora")
 LORA_TARGETS = r".*\.(mixer\.(q_proj|k_proj|v_proj|o_proj)|mlp\.(gate_proj|up_proj|down_proj|fc_in|fc_out))"
-MIXER_NEW = re.compile(r".*\.mixer\.(" + "|".join(AarenMixer.NEW_PARAMETERS) + r")(\..*)?$")
 
 
 @dataclass
@@ -72,10 +68,10 @@ def select_trainable(student, trainable: str, *, lora_r: int = 8, lora_alpha: in
     fitted in stage 1 and only ranks tokens, so no gradient reaches it (and DDP refuses parameters without one)."""
     if trainable not in TRAINABLE_SETS:
         raise ValueError(f"trainable must be one of {TRAINABLE_SETS}, got {trainable!r}")
-    fixed_decay = getattr(student.config, "decay", None) == "fixed"
+    decay = getattr(student.config, "decay", None)
 
     def frozen_anyway(name: str) -> bool:
-        return (fixed_decay and name.endswith(".mixer.log_decay")) or ".mixer.retention_proj." in name
+        return never_trained(mixer_attribute(name), decay)
 
     if trainable == "all":
         for name, p in student.named_parameters():
@@ -92,7 +88,7 @@ def select_trainable(student, trainable: str, *, lora_r: int = 8, lora_alpha: in
     for name, p in model.named_parameters():
         if "lora_" in name:
             p.requires_grad_(True)
-        elif MIXER_NEW.match(name) and "base_layer" not in name and not frozen_anyway(name):
+        elif is_new_parameter(name) and "base_layer" not in name and not frozen_anyway(name):
             p.requires_grad_(True)
         else:
             p.requires_grad_(False)
@@ -172,18 +168,15 @@ def _split(opts: Stage2Options, world: int) -> tuple[int, int]:
 
 def run_stage2(student, teacher, train_windows: torch.Tensor, heldout_windows: torch.Tensor, opts: Stage2Options,
                *, seed: int, work_dir: Path, accelerator=None, log: Optional[Callable[[str], None]] = None,
-               progress_factory=None, stop_after: Optional[int] = None):
+               progress_factory=None):
     """Distil ``teacher`` into ``student``. Returns ``(student, summary)``; the student is the plain model (LoRA
-    merged). Resumes from the newest checkpoint in ``work_dir/stage2``. ``stop_after``: return ``(None, summary)``
-    after that many optimizer steps in this call (tests)."""
+    merged). Resumes from the newest checkpoint in ``work_dir/stage2``."""
     from accelerate import Accelerator
 
     say = log or (lambda message: None)
     accelerator = accelerator or Accelerator(cpu=not torch.cuda.is_available())
-    world, rank = accelerator.num_processes, accelerator.process_index
-    main = accelerator.is_main_process
-    folder = Path(work_dir) / "stage2"
-    per_rank, accum = _split(opts, world)
+    world, main = accelerator.num_processes, accelerator.is_main_process
+    accum = _split(opts, world)[1]
     windows = train_windows if opts.seq_len is None else train_windows[:, : opts.seq_len]
     N, T = windows.shape
     eval_windows = heldout_windows[: opts.eval_windows] if opts.eval_windows else heldout_windows[:0]
@@ -195,26 +188,18 @@ def run_stage2(student, teacher, train_windows: torch.Tensor, heldout_windows: t
         torch.manual_seed(seed + 2_000_003)
         model = select_trainable(student, opts.trainable, lora_r=opts.lora_r, lora_alpha=opts.lora_alpha)
     params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = _optimizer(model, opts)
     n_train = sum(p.numel() for p in params)
     n_total = sum(p.numel() for p in student.parameters())
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            (no_decay if p.ndim < 2 or MIXER_NEW.match(name) else decay).append(p)
-    groups = [g for g in ({"params": decay, "weight_decay": opts.weight_decay},
-                          {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
-    optimizer = torch.optim.AdamW(groups, lr=opts.lr, betas=(0.9, 0.95))
-
     summary = {"options": asdict(opts), "trainable_parameters": n_train, "total_parameters": n_total,
                "processes": world, "accumulation_steps": accum}
-    start, history = 0, []
-    found = ts.latest_checkpoint(folder, "stage2")
-    if found is not None:
-        state = ts.load_checkpoint(found, module=model, optimizer=optimizer)
-        start = state["step"]
-        history = state["extra"].get("history", [])
-        summary.update(state["extra"].get("summary", {}))
-        say(f"stage 2: resumed at step {start} from {found.name}")
+    loop = ts.TrainingLoop(opts, module=model, optimizer=optimizer, folder=Path(work_dir) / "stage2", name="stage2",
+                           label="stage 2", lr_flag="--stage2-lr", writes=main,
+                           barrier=accelerator.wait_for_everyone)
+    resumed = loop.resume()
+    if resumed is not None:
+        summary.update(resumed.get("summary", {}))
+        say(f"stage 2: resumed at step {loop.start} from {loop.resumed_from.name}")
     else:
         summary["heldout_kl_before"] = heldout_kl(student, teacher, eval_windows) if main else None
     say(f"stage 2: {opts.steps} steps x {opts.batch_size} windows of {T} tokens ({opts.trainable}: "
@@ -226,72 +211,21 @@ def run_stage2(student, teacher, train_windows: torch.Tensor, heldout_windows: t
     ddp = accelerator.prepare(model) if world > 1 else model
     ddp.train()
     started = time.time()
-    bar = progress_factory(opts.steps, "stage 2: distill", initial=start) if progress_factory else None
-    ran = 0
-    for step in range(start, opts.steps):
-        lr = lr_at(step, opts.steps, opts.lr, opts.warmup, opts.min_lr_ratio)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        idx = ts.sample_indices(seed, step, opts.batch_size, N, stream=0)
-        mine = idx[rank * per_rank : (rank + 1) * per_rank]
-        optimizer.zero_grad(set_to_none=True)
-        step_loss = step_kl = 0.0
-        for m in range(accum):
-            ids = windows[mine[m * opts.micro_batch_size : (m + 1) * opts.micro_batch_size]].to(accelerator.device)
-            with torch.no_grad():
-                t_logits = teacher(input_ids=ids, use_cache=False).logits
-            sync = m == accum - 1
-            ctx = accelerator.no_sync(ddp) if (world > 1 and not sync) else _nullcontext()
-            with ctx:
-                s_logits = ddp(input_ids=ids, use_cache=False).logits
-                loss, kl, _ = distill_loss(s_logits, t_logits, ids, ce_weight=opts.ce_weight,
-                                           temperature=opts.temperature)
-                accelerator.backward(loss / accum)
-            step_loss += float(loss.detach()) / accum
-            step_kl += kl / accum
-            del t_logits, s_logits, loss
-        if opts.grad_clip and opts.grad_clip > 0:
-            grad_norm = accelerator.clip_grad_norm_(params, opts.grad_clip)
-        else:
-            grad_norm = None
-        optimizer.step()
-        if world > 1:
-            reduced = accelerator.reduce(torch.tensor([step_loss, step_kl], device=accelerator.device), "mean")
-            step_loss, step_kl = (float(v) for v in reduced)
-        if not math.isfinite(step_loss):
-            raise FloatingPointError(f"stage 2: loss became {step_loss} at step {step}; lower --stage2-lr")
-        history.append([step + 1, round(step_loss, 6), round(step_kl, 6),
-                        None if grad_norm is None else round(float(grad_norm), 4)])
-        ran += 1
-        if bar is not None:
-            bar.update(1, step_loss, opts.batch_size * T)
-        done = step + 1
-        if opts.checkpoint_every and done % opts.checkpoint_every == 0 and done < opts.steps:
-            if main:
-                ts.save_checkpoint(folder, "stage2", module=model, optimizer=optimizer, step=done,
-                                   extra={"history": history, "summary": _json_summary(summary),
-                                          "cursor": ts.cursor(done, opts.batch_size, N)})
-            accelerator.wait_for_everyone()
-        if stop_after is not None and ran >= stop_after and done < opts.steps:
-            if bar is not None:
-                bar.close()
-            summary["interrupted_at"] = done
-            return None, summary
+    bar = progress_factory(opts.steps, "stage 2: distill", initial=loop.start) if progress_factory else None
+    step_fn = _distill_step(ddp, params, teacher, windows, optimizer, opts, seed=seed, accelerator=accelerator)
+    loop.run(step_fn, tokens_per_step=opts.batch_size * T, progress=bar,
+             extra=lambda done: {"summary": _json_summary(summary), "cursor": ts.cursor(done, opts.batch_size, N)})
     if bar is not None:
         bar.close()
-    if start < opts.steps or found is None:
-        if main:  # the final state, so that a crash during evaluation or saving does not lose the training
-            ts.save_checkpoint(folder, "stage2", module=model, optimizer=None, step=opts.steps,
-                               extra={"history": history, "summary": _json_summary(summary), "final": True})
-        accelerator.wait_for_everyone()
+    if loop.start < opts.steps or resumed is None:
+        # the final state, so that a crash during evaluation or saving does not lose the training
+        loop.save(opts.steps, {"summary": _json_summary(summary), "final": True}, with_optimizer=False)
     model.eval()
     student = finish_trainable(model)
     if "heldout_kl_after" not in summary:
         summary["heldout_kl_after"] = heldout_kl(student, teacher, eval_windows) if main else None
-    k = max(1, min(10, len(history) // 3))
-    summary["train_loss_first"] = sum(h[1] for h in history[:k]) / k if history else None
-    summary["train_loss_last"] = sum(h[1] for h in history[-k:]) / k if history else None
-    summary["history"] = history
+    summary["train_loss_first"], summary["train_loss_last"] = loop.loss_ends(lambda record: record[1])
+    summary["history"] = loop.history
     summary["tokens"] = opts.steps * opts.batch_size * T
     summary["seconds"] = round(time.time() - started, 1)
     if summary.get("heldout_kl_after") is not None:
@@ -301,13 +235,56 @@ def run_stage2(student, teacher, train_windows: torch.Tensor, heldout_windows: t
     return student, summary
 
 
+def _optimizer(model, opts: Stage2Options):
+    """AdamW; no weight decay on vectors (norms, biases) and on the mixers' new parameters."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (no_decay if p.ndim < 2 or is_new_parameter(name) else decay).append(p)
+    groups = [g for g in ({"params": decay, "weight_decay": opts.weight_decay},
+                          {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+    return torch.optim.AdamW(groups, lr=opts.lr, betas=(0.9, 0.95))
+
+
+def _distill_step(ddp, params: list, teacher, windows: torch.Tensor, optimizer, opts: Stage2Options, *, seed: int,
+                  accelerator):
+    """The step function of :class:`train_state.TrainingLoop`: one optimizer step over ``opts.batch_size`` windows,
+    this process's share in micro-batches with gradient accumulation; returns (loss, [step, loss, kl, grad
+    norm]), loss and KL averaged over all processes."""
+    world, rank = accelerator.num_processes, accelerator.process_index
+    per_rank, accum = _split(opts, world)
+
+    def step_fn(step: int):
+        idx = ts.sample_indices(seed, step, opts.batch_size, windows.shape[0], stream=0)
+        mine = idx[rank * per_rank : (rank + 1) * per_rank]
+        optimizer.zero_grad(set_to_none=True)
+        step_loss = step_kl = 0.0
+        for m in range(accum):
+            ids = windows[mine[m * opts.micro_batch_size : (m + 1) * opts.micro_batch_size]].to(accelerator.device)
+            with torch.no_grad():
+                t_logits = teacher(input_ids=ids, use_cache=False).logits
+            sync = m == accum - 1
+            ctx = accelerator.no_sync(ddp) if (world > 1 and not sync) else contextlib.nullcontext()
+            with ctx:
+                s_logits = ddp(input_ids=ids, use_cache=False).logits
+                loss, kl, _ = distill_loss(s_logits, t_logits, ids, ce_weight=opts.ce_weight,
+                                           temperature=opts.temperature)
+                accelerator.backward(loss / accum)
+            step_loss += float(loss.detach()) / accum
+            step_kl += kl / accum
+            del t_logits, s_logits, loss
+        grad_norm = None
+        if opts.grad_clip and opts.grad_clip > 0:
+            grad_norm = accelerator.clip_grad_norm_(params, opts.grad_clip)
+        optimizer.step()
+        if world > 1:
+            reduced = accelerator.reduce(torch.tensor([step_loss, step_kl], device=accelerator.device), "mean")
+            step_loss, step_kl = (float(v) for v in reduced)
+        return step_loss, [step + 1, round(step_loss, 6), round(step_kl, 6),
+                           None if grad_norm is None else round(float(grad_norm), 4)]
+
+    return step_fn
+
+
 def _json_summary(summary: dict) -> dict:
     return {k: v for k, v in summary.items() if k in ("heldout_kl_before",)}
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

@@ -1,5 +1,6 @@
 # Copyright 2026 The aaren-hf authors. Apache-2.0.
-"""Checkpoint and resume for the conversion's training stages: safetensors + JSON only, written atomically.
+"""The conversion's training loop (:class:`TrainingLoop`, used by both stages) and its checkpoints: safetensors +
+JSON only, written atomically.
 
 A checkpoint is a folder::
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import random
 import shutil
@@ -53,6 +55,8 @@ __all__ = [
     "load_checkpoint",
     "load_tensors_into",
     "Progress",
+    "TrainingLoop",
+    "lr_at",
     "save_checkpoint",
     "sample_indices",
     "trainable_state",
@@ -452,6 +456,91 @@ def remove_checkpoints(root, name: str) -> None:
     for path in root.glob(f"{name}-step*"):
         shutil.rmtree(path, ignore_errors=True)
     _pointer(root, name).unlink(missing_ok=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The training loop
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def lr_at(step: int, total: int, lr: float, warmup: int, min_ratio: float) -> float:
+    """Linear warmup over ``warmup`` steps (at most a fifth of the run), then cosine from lr to lr * min_ratio at
+    ``total``."""
+    warmup = min(warmup, total // 5)
+    if warmup > 0 and step < warmup:
+        return lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    progress = min(max(progress, 0.0), 1.0)
+    return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+class TrainingLoop:
+    """The optimizer steps of one training run, with checkpoints every ``opts.checkpoint_every`` steps and resume.
+
+    ``opts`` gives ``steps``, ``lr``, ``warmup``, ``min_lr_ratio`` and ``checkpoint_every`` (Stage1Options and
+    Stage2Options both do). A parameter group's learning rate is the schedule's times its ``lr_scale`` (1 if
+    absent). ``folder=None``: no checkpoints. ``writes=False``: this process does not write them (other ranks of a
+    data-parallel run), and ``barrier`` (if given) is called after each one so that no rank runs ahead of a write.
+
+    Each step's record (whatever the step function returns besides its loss) goes to ``history``, which checkpoints
+    store under ``history_key`` and a resumed run gets back."""
+
+    def __init__(self, opts, *, module: torch.nn.Module, optimizer, folder, name: str, label: str, lr_flag: str,
+                 history_key: str = "history", writes: bool = True, barrier=None):
+        self.opts, self.module, self.optimizer = opts, module, optimizer
+        self.folder = None if folder is None else Path(folder)
+        self.name, self.label, self.lr_flag = name, label, lr_flag
+        self.history_key, self.writes, self.barrier = history_key, writes, barrier
+        self.start = 0
+        self.history: list = []
+        self.resumed_from: Optional[Path] = None
+
+    def resume(self) -> Optional[dict]:
+        """Load the newest checkpoint, if any, into the module, the optimizer and the RNGs; returns its ``extra``
+        (None when there is nothing to resume from)."""
+        found = latest_checkpoint(self.folder, self.name) if self.folder is not None else None
+        if found is None:
+            return None
+        state = load_checkpoint(found, module=self.module, optimizer=self.optimizer)
+        self.start, self.resumed_from = state["step"], found
+        self.history = state["extra"].get(self.history_key, [])
+        return state["extra"]
+
+    def run(self, step_fn, *, tokens_per_step: int = 0, progress=None, extra=None) -> None:
+        """Steps ``start`` to ``opts.steps``: ``step_fn(step)`` computes the gradients, steps the optimizer and returns
+        ``(loss, record)``. ``extra(done)``: what a checkpoint after ``done`` steps stores besides the history."""
+        opts = self.opts
+        for step in range(self.start, opts.steps):
+            rate = lr_at(step, opts.steps, opts.lr, opts.warmup, opts.min_lr_ratio)
+            for group in self.optimizer.param_groups:
+                group["lr"] = rate * group.get("lr_scale", 1.0)
+            loss, record = step_fn(step)
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"{self.label}: loss became {loss} at step {step}; lower {self.lr_flag}")
+            self.history.append(record)
+            if progress is not None:
+                progress.update(1, loss, tokens_per_step)
+            done = step + 1
+            if opts.checkpoint_every and done % opts.checkpoint_every == 0 and done < opts.steps:
+                self.save(done, extra(done) if extra is not None else {})
+
+    def loss_ends(self, loss=lambda record: record) -> tuple[Optional[float], Optional[float]]:
+        """Mean loss over the first and over the last steps of the history (up to 10, a third of the run each)."""
+        losses = [loss(record) for record in self.history]
+        if not losses:
+            return None, None
+        k = max(1, min(10, len(losses) // 3))
+        return sum(losses[:k]) / k, sum(losses[-k:]) / k
+
+    def save(self, step: int, extra: dict, with_optimizer: bool = True) -> None:
+        if self.folder is None:
+            return
+        if self.writes:
+            save_checkpoint(self.folder, self.name, module=self.module,
+                            optimizer=self.optimizer if with_optimizer else None, step=step,
+                            extra={self.history_key: self.history, **extra})
+        if self.barrier is not None:
+            self.barrier()
 
 
 # ----------------------------------------------------------------------------------------------------------------

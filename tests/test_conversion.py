@@ -20,7 +20,6 @@ import torch
 import aaren_hf  # noqa: F401
 from helpers import one_thread  # noqa: F401  (autouse fixture)
 
-REPO = Path(__file__).resolve().parents[1]
 WORDS = [f"w{i}" for i in range(60)]
 
 
@@ -90,7 +89,8 @@ def cli_env(cache: Path) -> dict:
     env = dict(os.environ)
     env["AAREN_HF_CACHE"] = str(cache)
     env["HF_HUB_OFFLINE"] = "1"
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    # as `python -P`: the repository root on sys.path would make kernels/ a top-level `kernels` (docs/layout.md)
+    env["PYTHONSAFEPATH"] = "1"
     return env
 
 

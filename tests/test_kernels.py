@@ -284,6 +284,7 @@ def test_interpreter_after_compiled_import():
         "    assert (o - ref).abs().max() < 1e-5, fn\n"
     )
     env = {k: x for k, x in os.environ.items() if k not in ("TRITON_INTERPRET", "AAREN_BACKEND")}
+    env["PYTHONSAFEPATH"] = "1"  # as `python -P`: kernels/ must not be importable as a top-level `kernels`
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300)
 
 
@@ -321,6 +322,7 @@ def test_compiles_for_sm90():
     if "nvidia" not in triton.backends.backends:
         pytest.skip("triton has no NVIDIA backend here")
     env = {k: x for k, x in os.environ.items() if k not in ("TRITON_INTERPRET", "AAREN_BACKEND")}
+    env["PYTHONSAFEPATH"] = "1"  # as `python -P`: kernels/ must not be importable as a top-level `kernels`
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     subprocess.run([sys.executable, "-c", AOT_SM90], check=True, env=env, timeout=600)
 

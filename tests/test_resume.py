@@ -5,8 +5,9 @@ uninterrupted one (bitwise, CPU, one process).
 - ``test_kill9_then_resume_matches_uninterrupted``: a real crash. The CLI runs in a subprocess; as soon as its
   first stage-2 checkpoint exists the test sends SIGKILL (the process is then somewhere after that checkpoint,
   so work since it is lost), and ``--resume`` finishes the run.
-- ``test_stage1_midlayer_resume`` / ``test_stage2_resume_in_process``: simulated interruptions (stop after a
-  checkpoint, discard everything in memory, rebuild from disk) at a known step, in process.
+- ``test_stage1_midlayer_resume`` / ``test_stage2_resume_in_process``: simulated crashes at a known step, in
+  process (the data order raises when a given step asks for its batch; everything in memory is discarded and the
+  run is rebuilt from disk).
 - ``test_checkpoint_files``: safetensors + JSON only, atomic pointer, optimizer state round trip.
 """
 
@@ -108,7 +109,27 @@ def _parts(tiny):
     return teacher, student, windows
 
 
-def test_stage1_midlayer_resume(tiny, tmp_path):
+class Crash(Exception):
+    pass
+
+
+def crash_at_step(monkeypatch, step: int):
+    """Make the training loop die when step ``step`` (0-based) asks for its batch: steps before it are done, their
+    work since the last checkpoint is lost, as in a kill."""
+    from aaren_hf.conversion import train_state as ts
+
+    real = ts.sample_indices
+
+    def sample_indices(seed, at, *args, **kwargs):
+        if at == step:
+            raise Crash(f"simulated crash at step {at}")
+        return real(seed, at, *args, **kwargs)
+
+    monkeypatch.setattr(ts, "sample_indices", sample_indices)
+    return monkeypatch.undo
+
+
+def test_stage1_midlayer_resume(tiny, tmp_path, monkeypatch):
     from aaren_hf.conversion.stage1 import Stage1Options, capture_attention, train_mixer
 
     teacher, student, windows = _parts(tiny)
@@ -119,17 +140,22 @@ def test_stage1_midlayer_resume(tiny, tmp_path):
     train_mixer(full, x, y, opts, seed=0, layer=1)
 
     first = copy.deepcopy(student.model.layers[1].mixer)
-    record = train_mixer(first, x, y, opts, seed=0, layer=1, checkpoint_dir=tmp_path, stop_after=5)
-    assert record["interrupted_at"] == 5  # the checkpoint is at step 3: steps 4-5 are lost, as in a crash
+    undo = crash_at_step(monkeypatch, 5)
+    with pytest.raises(Crash):
+        train_mixer(first, x, y, opts, seed=0, layer=1, checkpoint_dir=tmp_path)
+    undo()
+    # the checkpoint is at step 3: steps 4-5 are lost, as in a crash
+    assert json.loads((tmp_path / "layer001.latest.json").read_text())["step"] == 3
     del first
     second = copy.deepcopy(student.model.layers[1].mixer)  # fresh object: nothing from the first run in memory
     torch.manual_seed(1234)  # garbage RNG state: the checkpoint restores it
-    train_mixer(second, x, y, opts, seed=0, layer=1, checkpoint_dir=tmp_path)
+    record = train_mixer(second, x, y, opts, seed=0, layer=1, checkpoint_dir=tmp_path)
+    assert len(record["losses"]) == 9
     assert_same_weights(dict(full.state_dict()), dict(second.state_dict()))
 
 
 @pytest.mark.parametrize("trainable", ["all", "lora"])
-def test_stage2_resume_in_process(tiny, tmp_path, trainable):
+def test_stage2_resume_in_process(tiny, tmp_path, trainable, monkeypatch):
     from aaren_hf.conversion.stage2 import Stage2Options, run_stage2
 
     teacher, student, windows = _parts(tiny)
@@ -137,11 +163,16 @@ def test_stage2_resume_in_process(tiny, tmp_path, trainable):
                          checkpoint_every=2, eval_windows=0, lora_r=4)
     full, _ = run_stage2(copy.deepcopy(student), teacher, windows.train, windows.heldout, opts, seed=0,
                          work_dir=tmp_path / "a")
-    model, summary = run_stage2(copy.deepcopy(student), teacher, windows.train, windows.heldout, opts, seed=0,
-                                work_dir=tmp_path / "b", stop_after=3)
-    assert model is None and summary["interrupted_at"] == 3
-    resumed, _ = run_stage2(copy.deepcopy(student), teacher, windows.train, windows.heldout, opts, seed=0,
-                            work_dir=tmp_path / "b")
+    undo = crash_at_step(monkeypatch, 3)
+    with pytest.raises(Crash):
+        run_stage2(copy.deepcopy(student), teacher, windows.train, windows.heldout, opts, seed=0,
+                   work_dir=tmp_path / "b")
+    undo()
+    # steps 1-3 ran, the checkpoint after step 2 survives: step 3 is redone
+    assert json.loads((tmp_path / "b" / "stage2" / "stage2.latest.json").read_text())["step"] == 2
+    resumed, summary = run_stage2(copy.deepcopy(student), teacher, windows.train, windows.heldout, opts, seed=0,
+                                  work_dir=tmp_path / "b")
+    assert [h[0] for h in summary["history"]] == [1, 2, 3, 4, 5, 6]
     assert_same_weights(dict(full.state_dict()), dict(resumed.state_dict()))
 
 
