@@ -406,6 +406,24 @@ class AarenMixer(nn.Module):
         if self.memory_size > 0 and self.memory_rule == "learned":
             self.retention_proj = nn.Linear(E, Hkv, bias=True)
 
+    @torch.no_grad()
+    def init_new_parameters(self, config):
+        """How each of :attr:`NEW_PARAMETERS` starts (the conversion overwrites most of them from the teacher's
+        statistics); ``rope_inv_freq`` is a buffer, reset with them."""
+        starts = {
+            "queries": lambda m: init.normal_(m, mean=0.0, std=1.0),
+            "log_decay": lambda m: init.constant_(m, math.log(config.decay_init)),
+            "decay_proj": lambda m: (init.zeros_(m.weight), init.zeros_(m.bias)),
+            "window_gate": lambda m: init.constant_(m, config.window_gate_init),
+            "gate_proj": lambda m: (init.zeros_(m.weight), init.constant_(m.bias, config.window_gate_init)),
+            "retention_proj": lambda m: (init.zeros_(m.weight), init.zeros_(m.bias)),
+        }
+        for name in self.NEW_PARAMETERS:
+            if hasattr(self, name):
+                starts[name](getattr(self, name))
+        if hasattr(self, "rope_inv_freq"):
+            init.copy_(self.rope_inv_freq, self.default_inv_freq(config))
+
     def build_aaren_branch(self, config):
         H, D, J, E = self.num_heads, self.head_dim, self.num_slots, config.hidden_size
         self.queries = nn.Parameter(torch.zeros(H, J, D))
@@ -661,23 +679,7 @@ class AarenPreTrainedModel(PreTrainedModel):
         super()._init_weights(module)
         config = self.config
         if isinstance(module, AarenMixer):
-            if hasattr(module, "queries"):
-                init.normal_(module.queries, mean=0.0, std=1.0)
-            if hasattr(module, "log_decay"):
-                init.constant_(module.log_decay, math.log(config.decay_init))
-            if hasattr(module, "decay_proj"):
-                init.zeros_(module.decay_proj.weight)
-                init.zeros_(module.decay_proj.bias)
-            if hasattr(module, "window_gate"):
-                init.constant_(module.window_gate, config.window_gate_init)
-            if hasattr(module, "gate_proj"):
-                init.zeros_(module.gate_proj.weight)
-                init.constant_(module.gate_proj.bias, config.window_gate_init)
-            if hasattr(module, "retention_proj"):
-                init.zeros_(module.retention_proj.weight)
-                init.zeros_(module.retention_proj.bias)
-            if hasattr(module, "rope_inv_freq"):
-                init.copy_(module.rope_inv_freq, module.default_inv_freq(config))
+            module.init_new_parameters(config)
         elif isinstance(module, AarenRMSNorm):
             init.ones_(module.weight)
 
