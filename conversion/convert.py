@@ -134,6 +134,8 @@ def options_from_recipe(name: str, **overrides) -> ConvertOptions:
     )
     if b.recall_trials is not None:
         opts.recall_trials = b.recall_trials
+    if getattr(b, "long_seq_len", None) is not None:
+        opts.long_seq_len = b.long_seq_len
     return apply_overrides(opts, **overrides)
 
 
@@ -675,6 +677,13 @@ def convert(opts: ConvertOptions, accelerator=None) -> Optional[Path]:
         student = build_student(teacher, opts.mixer)
         say(f"student: {json.dumps(opts.mixer)}; "
             f"{sum(p.numel() for p in student.parameters()) / 1e6:.1f}M parameters")
+        from .adapters import unchanged_layers
+
+        kept = unchanged_layers(teacher.config, student.config)  # a hybrid teacher's local layers, kept exactly
+        if kept:
+            say(f"student: layers {kept} keep the teacher's local attention exactly (window "
+                f"{student.config.sliding_window}); converted to Aaren: "
+                f"{[i for i in range(student.config.num_hidden_layers) if i not in kept]}")
         long_train, L = None, long_length(opts.long_seq_len, student.config)
         if L > opts.seq_len and opts.stage2.steps > 0:
             with accelerator.main_process_first():
@@ -718,7 +727,7 @@ def convert(opts: ConvertOptions, accelerator=None) -> Optional[Path]:
         stage1_summary = None
         if opts.stage1.steps > 0:
             stage1_summary = run_stage1(student, teacher, stage1_train, heldout, opts.stage1, seed=opts.seed,
-                                        work_dir=work,
+                                        work_dir=work, frozen_layers=kept,
                                         accelerator=accelerator, log=say, progress_factory=progress)
             if main:
                 ts.atomic_write_json(work / "stage1.json", stage1_summary)
@@ -731,7 +740,7 @@ def convert(opts: ConvertOptions, accelerator=None) -> Optional[Path]:
         if opts.stage2.steps > 0:
             student, stage2_summary = run_stage2(student, teacher, stage2_train, heldout, opts.stage2, seed=opts.seed,
                                                  work_dir=work, accelerator=accelerator, log=say,
-                                                 progress_factory=progress)
+                                                 progress_factory=progress, frozen_layers=kept)
         student.eval()
         if not main:
             return None
