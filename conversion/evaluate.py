@@ -55,6 +55,7 @@ __all__ = [
     "streaming_llm_baseline",
     "streaming_llm_mask",
     "teacher_kv_bytes_per_token",
+    "teacher_local_kv_bytes",
 ]
 
 DEFAULT_RECALL_DISTANCES = (32, 128, 512, 2048)  # for a student without a window
@@ -300,9 +301,10 @@ class StreamingLLMBaseline(nn.Module):
 
     def kv_bytes(self, dtype: Optional[torch.dtype] = None) -> int:
         """Bytes of the StreamingLLM cache (``kv_tokens`` = S + W - 1 tokens, per sequence), in ``dtype`` (default:
-        the teacher's)."""
+        the teacher's); for a hybrid teacher, of its global layers plus its local layers' own windows."""
         dtype = dtype or _param_dtype(self.teacher)
-        return self.kv_tokens * teacher_kv_bytes_per_token(self.teacher.config, dtype)
+        return (self.kv_tokens * teacher_kv_bytes_per_token(self.teacher.config, dtype)
+                + teacher_local_kv_bytes(self.teacher.config, dtype))
 
     def forward(self, input_ids=None, labels=None, attention_mask=None, **kwargs):
         if attention_mask is not None and not bool(torch.as_tensor(attention_mask).bool().all()):
@@ -311,10 +313,12 @@ class StreamingLLMBaseline(nn.Module):
         kwargs.pop("past_key_values", None)
         B, T = input_ids.shape
         dtype = _param_dtype(self.teacher)
-        mask = streaming_llm_mask(T, self.sinks, self.window, dtype=dtype, device=input_ids.device)
-        return self.teacher(
-            input_ids=input_ids, attention_mask=mask.expand(B, 1, T, T), labels=labels, use_cache=False, **kwargs
-        )
+        mask = streaming_llm_mask(T, self.sinks, self.window, dtype=dtype, device=input_ids.device).expand(B, 1, T, T)
+        local = _teacher_local_window(self.teacher.config)
+        if local:  # a hybrid teacher (Gemma-3): only the global layers get the StreamingLLM cache
+            own = streaming_llm_mask(T, 0, local, dtype=dtype, device=input_ids.device).expand(B, 1, T, T)
+            mask = {"full_attention": mask, "sliding_attention": own}
+        return self.teacher(input_ids=input_ids, attention_mask=mask, labels=labels, use_cache=False, **kwargs)
 
 
 def streaming_llm_baseline(teacher, sinks: int, window: int) -> StreamingLLMBaseline:
@@ -341,13 +345,42 @@ def _teacher_geometry(config) -> tuple[int, int, int]:
     return int(layers), int(kv_heads), int(head_dim)
 
 
+def _teacher_local_window(config) -> int:
+    """The local layers' window of a hybrid teacher (Gemma-3: "sliding_attention" layers), else 0."""
+    from .adapters import teacher_attention_types
+
+    if getattr(config, "model_type", None) != "gemma3_text" or "sliding_attention" not in teacher_attention_types(config):
+        return 0
+    return int(config.sliding_window)
+
+
 def teacher_kv_bytes_per_token(teacher_config, dtype: torch.dtype = torch.float32) -> int:
-    """KV-cache bytes per token and sequence: 2 (K and V) * layers * kv_heads * head_dim * bytes per element."""
+    """KV-cache bytes per token of context and sequence: 2 (K and V) * layers * kv_heads * head_dim * bytes per
+    element. A hybrid teacher's local layers hold a fixed window (:func:`teacher_local_kv_bytes`); only its global
+    layers count here."""
     layers, kv_heads, head_dim = _teacher_geometry(teacher_config)
+    if _teacher_local_window(teacher_config):
+        from .adapters import teacher_attention_types
+
+        layers = teacher_attention_types(teacher_config).count("full_attention")
     return 2 * layers * kv_heads * head_dim * _bytes_of(dtype)
 
 
-def aaren_state_bytes(student_config, kv_dtype: torch.dtype = torch.float32) -> int:
+def teacher_local_kv_bytes(teacher_config, dtype: torch.dtype = torch.float32, context: Optional[int] = None) -> int:
+    """Bytes a hybrid teacher's local layers hold (each its window - 1 tokens, fewer while ``context`` is shorter);
+    0 for other teachers."""
+    window = _teacher_local_window(teacher_config)
+    if not window:
+        return 0
+    from .adapters import teacher_attention_types
+
+    _, kv_heads, head_dim = _teacher_geometry(teacher_config)
+    tokens = window - 1 if context is None else min(window - 1, context)
+    local = teacher_attention_types(teacher_config).count("sliding_attention")
+    return 2 * local * kv_heads * head_dim * _bytes_of(dtype) * tokens
+
+
+def aaren_state_bytes(student_config, kv_dtype: torch.dtype = torch.float32, layers=None) -> int:
     """Bytes of one sequence's full AarenCache once the window is full, from the config (matches
     ``AarenCache.state_bytes()`` measured after a forward of >= window_size tokens, batch 1):
 
@@ -357,15 +390,18 @@ def aaren_state_bytes(student_config, kv_dtype: torch.dtype = torch.float32) -> 
     c = student_config
     H, J, D, Hkv = c.num_attention_heads, c.num_query_slots, c.head_dim, c.num_key_value_heads
     aaren = (H * J * D + H * J) * 4
-    per_layer = 0
-    if c.window_size > 0:
-        tokens = c.window_size - 1 + c.num_sink_tokens
-        per_layer += 2 * tokens * Hkv * D * _bytes_of(kv_dtype) + tokens * 8
-    M = getattr(c, "memory_size", 0)
-    if M > 0:  # memory keys/values, positions (int64) and scores (float32); window entries' scores (float32)
-        per_layer += 2 * M * Hkv * D * _bytes_of(kv_dtype) + M * Hkv * 12 + (c.window_size - 1) * Hkv * 4
-    aaren_layers = sum(c.layer_type(i) == "linear_attention" for i in range(c.num_hidden_layers))
-    return c.num_hidden_layers * per_layer + aaren_layers * aaren
+    total = 0
+    for i in range(c.num_hidden_layers) if layers is None else layers:
+        window, sinks, M = c.layer_window(i) if hasattr(c, "layer_window") else (
+            c.window_size, c.num_sink_tokens, getattr(c, "memory_size", 0))
+        if window > 0:
+            tokens = window - 1 + sinks
+            total += 2 * tokens * Hkv * D * _bytes_of(kv_dtype) + tokens * 8
+        if M > 0:  # memory keys/values, positions (int64) and scores (float32); window entries' scores (float32)
+            total += 2 * M * Hkv * D * _bytes_of(kv_dtype) + M * Hkv * 12 + (window - 1) * Hkv * 4
+        if c.layer_type(i) == "linear_attention":
+            total += aaren
+    return total
 
 
 def equal_memory_window(student_config, teacher_config, sinks: int, kv_dtype: torch.dtype = torch.float32) -> dict:
@@ -378,7 +414,15 @@ def equal_memory_window(student_config, teacher_config, sinks: int, kv_dtype: to
     smaller than S teacher tokens). Returns the window and both byte counts."""
     student_bytes = aaren_state_bytes(student_config, kv_dtype)
     per_token = teacher_kv_bytes_per_token(teacher_config, kv_dtype)
-    tokens = student_bytes // per_token
+    local = teacher_local_kv_bytes(teacher_config, kv_dtype)
+    if local:  # hybrid: both keep the teacher's local layers as they are; the global layers' bytes are compared
+        from .adapters import unchanged_layers
+
+        kept = unchanged_layers(teacher_config, student_config)
+        budget = student_bytes - aaren_state_bytes(student_config, kv_dtype, layers=kept)
+    else:
+        budget = student_bytes
+    tokens = budget // per_token
     window = tokens - sinks + 1
     clamped = window < 1
     window = max(1, window)
@@ -386,7 +430,7 @@ def equal_memory_window(student_config, teacher_config, sinks: int, kv_dtype: to
         "window": int(window),
         "sinks": int(sinks),
         "student_state_bytes": int(student_bytes),
-        "baseline_kv_bytes": int((window - 1 + sinks) * per_token),
+        "baseline_kv_bytes": int((window - 1 + sinks) * per_token + local),
         "teacher_kv_bytes_per_token": int(per_token),
         "student_window": int(student_config.window_size),
         "student_sinks": int(student_config.num_sink_tokens),
@@ -409,7 +453,7 @@ def state_bytes_table(student, teacher_config, contexts: Sequence[int] = (4096, 
     kv_dtype = kv_dtype or _param_dtype(student)
     device = _device(student)
     # fill the window (if any) so that the cache has its final size, then feed as much again
-    first = max(16, cfg.window_size + cfg.num_sink_tokens + 1)
+    first = max(16, *(sum(cfg.layer_window(i)[:2]) + 1 for i in range(cfg.num_hidden_layers)))
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (1, 2 * first), generator=generator).to(device)
     cache = AarenCache(cfg)
@@ -421,7 +465,7 @@ def state_bytes_table(student, teacher_config, contexts: Sequence[int] = (4096, 
     per_token = teacher_kv_bytes_per_token(teacher_config, kv_dtype)
     rows = []
     for T in contexts:
-        teacher_bytes = per_token * T
+        teacher_bytes = per_token * T + teacher_local_kv_bytes(teacher_config, kv_dtype, context=T)
         row = {
             "context": int(T),
             "teacher_kv_bytes": int(teacher_bytes),
@@ -802,7 +846,8 @@ def evaluate(student, teacher, tokenizer, heldout_windows, *, sinks: int = 1, wi
     results["memory"] = memory
 
     models = [
-        ({"name": "teacher", "kind": "teacher", "memory_bytes": per_token * L,
+        ({"name": "teacher", "kind": "teacher",
+          "memory_bytes": per_token * L + teacher_local_kv_bytes(teacher.config, kv_dtype, context=L),
           "memory_note": f"KV at {L} tokens, grows"}, teacher),
         ({"name": "student (Aaren)", "kind": "student", "memory_bytes": memory["student_state_bytes"],
           "memory_note": "constant"}, student),
@@ -814,6 +859,9 @@ def evaluate(student, teacher, tokenizer, heldout_windows, *, sinks: int = 1, wi
         models.append(({"name": f"teacher, StreamingLLM S={sinks} W={w} ({tag})", "kind": "baseline",
                         "sinks": sinks, "window": w, "memory_bytes": base.kv_bytes(kv_dtype),
                         "memory_note": "constant"}, base))
+    if retention and _teacher_local_window(teacher.config):
+        say("retention baseline (TOVA): skipped, it does not model a hybrid teacher's local layers yet")
+        retention = False
     if retention:
         kept = equal_memory_retention(student.config, teacher.config, sinks, kv_dtype=kv_dtype)
         results["equal_memory_retention"] = kept

