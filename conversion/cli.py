@@ -436,6 +436,8 @@ def run_recipes(argv: list[str]) -> int:
               f"{b.batch_size} windows (lr {b.stage2_lr:g})")
         if r.notes:
             print(f"  {'':14s} {r.notes}")
+        if getattr(r, "license", None):
+            print(f"  {'':14s} teacher licence: {r.license}")
         print()
     return 0
 

@@ -21,6 +21,7 @@ TAGS = ["aaren", "linear-attention", "recurrent", "distillation"]
 # Known teacher families: (pattern on the teacher's name, hub organisation, license on the Hub).
 _KNOWN_TEACHERS = (
     (r"^smollm2-", "HuggingFaceTB", "apache-2.0"),
+    (r"^gemma-3-", "google", "gemma"),
     (r"^smollm-", "HuggingFaceTB", "apache-2.0"),
     (r"^gpt2(-medium|-large|-xl)?$", "openai-community", "mit"),
     (r"^distilgpt2$", "distilbert", "apache-2.0"),
@@ -113,6 +114,12 @@ def _student_summary(cfg: dict) -> str:
                      f"gate per {cfg.get('window_gate', 'head')}")
     else:
         parts.append("no softmax window")
+    kept = [i for i, t in enumerate(cfg.get("layer_types") or []) if t == "sliding_attention"]
+    if kept and cfg.get("sliding_window"):
+        parts.append(f"layers {kept} kept as the teacher's own sliding-window attention "
+                     f"({cfg['sliding_window']} tokens)")
+    elif kept:
+        parts.append(f"layers {kept} window attention only (no Aaren state)")
     return ", ".join(str(p) for p in parts)
 
 
@@ -150,6 +157,11 @@ def render_model_card(recipe_info: dict, results: Optional[dict], model_name: Op
                       "--base-model OWNER/NAME` adds it before uploading."]
     if meta["license"] == "unknown":
         lines += ["", "License: unknown here; check the teacher's license, which this model inherits."]
+    elif meta["license"] == "gemma":
+        lines += ["", "License: the [Gemma Terms of Use](https://ai.google.dev/gemma/terms), which this model "
+                      "inherits from its teacher (a base model, not instruction-tuned). They are not an OSI open-source "
+                      "licence: they carry use restrictions (the Gemma Prohibited Use Policy) that pass on to every "
+                      "copy and derivative."]
 
     lines += ["", "## How to load", "", "```python",
               "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
