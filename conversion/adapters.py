@@ -586,8 +586,13 @@ def get_adapter(teacher):
     cfg = _config_of(teacher)
     model_type = getattr(cfg, "model_type", None)
     if model_type not in ADAPTERS:
+        hint = ""
+        if model_type == "gemma3":  # Gemma3ForConditionalGeneration: a vision tower around a gemma3_text model
+            hint = (". 'gemma3' is the multimodal Gemma-3 (4B and up); Gemma-3-270M and 1B are 'gemma3_text'. "
+                    "Convert the language model alone: save Gemma3ForCausalLM.from_pretrained(...) with its "
+                    "text_config, or use a gemma3_text checkpoint")
         raise ValueError(
-            f"unsupported teacher model_type {model_type!r}; supported: {', '.join(SUPPORTED_TEACHERS)}"
+            f"unsupported teacher model_type {model_type!r}; supported: {', '.join(SUPPORTED_TEACHERS)}{hint}"
         )
     return ADAPTERS[model_type]
 

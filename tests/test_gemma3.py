@@ -127,6 +127,13 @@ def test_mapping_is_derived_from_the_state_dict_and_uses_every_tensor(teacher):
         del teacher.model.layers[0].extra_scale
 
 
+def test_multimodal_gemma3_is_refused_with_the_supported_list_and_what_to_do():
+    from transformers import Gemma3Config
+
+    with pytest.raises(ValueError, match="unsupported teacher model_type 'gemma3'.*gemma3_text.*language model"):
+        aaren_config_from_teacher(Gemma3Config())
+
+
 def test_softcapping_and_bidirectional_teachers_are_refused():
     with pytest.raises(ValueError, match="final_logit_softcapping"):
         aaren_config_from_teacher(gemma3_config(final_logit_softcapping=30.0))
