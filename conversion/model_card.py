@@ -138,11 +138,15 @@ def render_model_card(recipe_info: dict, results: Optional[dict], model_name: Op
     student_cfg = recipe_info.get("student_config") or {}
 
     lines = ["---", yaml.safe_dump(meta, sort_keys=False).rstrip(), "---", "", f"# {name}", ""]
+    hybrid = student_cfg.get("sliding_window") and "sliding_attention" in (student_cfg.get("layer_types") or [])
+    replaced = ("Each global softmax attention layer is replaced by an Aaren mixer that keeps a fixed-size recurrent "
+                "state (the teacher's local sliding-window layers are kept as they are, bounded already)" if hybrid
+                else "Each softmax attention layer is replaced by an Aaren mixer that keeps a fixed-size recurrent "
+                "state")
     lines.append(
         f"An [Aaren](https://arxiv.org/abs/2405.13956) (\"Attention as an RNN\") language model converted from "
-        f"**{teacher_label}** by distillation with [aaren-hf](https://pypi.org/project/aaren-hf/). Each softmax "
-        "attention layer is replaced by an Aaren mixer that keeps a fixed-size recurrent state, so generation needs "
-        "the same memory at every context length instead of a key/value cache that grows with it."
+        f"**{teacher_label}** by distillation with [aaren-hf](https://pypi.org/project/aaren-hf/). {replaced}, so "
+        "generation needs the same memory at every context length instead of a key/value cache that grows with it."
     )
     summary = _student_summary(student_cfg)
     if summary:

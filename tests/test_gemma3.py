@@ -427,5 +427,6 @@ def test_gemma3_recipe(teacher, monkeypatch):
     monkeypatch.setattr(assets.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(assets.AssetError, match="AAREN_SETUP_GEMMA3=1 bash scripts/setup.sh"):
         assets.gemma3_gguf_path()
-    card = render_model_card({"teacher": "google/gemma-3-270m"}, None)
+    card = render_model_card({"teacher": "google/gemma-3-270m", "student_config": cfg.to_dict()}, None)
     assert "license: gemma" in card and "Gemma Terms of Use" in card and "not an OSI" in card
+    assert "local sliding-window layers are kept" in card and "layers [0, 1, 3, 4] kept" in card
