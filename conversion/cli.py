@@ -138,8 +138,10 @@ def convert_parser() -> argparse.ArgumentParser:
                    help="what the memory keeps: a retention score fitted to the teacher's attention, or the Aaren "
                         "queries' scores")
     g.add_argument("--convert-layers", metavar="LAYERS",
-                   help="which layers become Aaren layers: 'all' (default), 'none', or indices like '0,5,11'; the "
-                        "others keep exact sliding-window attention (window + sinks + memory, no Aaren state)")
+                   help="which layers become Aaren layers: 'all', 'none', 'global' (the teacher's full-attention "
+                        "layers), or indices like '0,5,11'. Default: 'global' for teachers with local sliding-window "
+                        "layers (Gemma-3: those stay exactly the teacher's), 'all' otherwise. Kept layers of other "
+                        "teachers become exact sliding-window attention (window + sinks + memory, no Aaren state)")
     g.add_argument("--window-gate", choices=("head", "input"), help="window/Aaren mix: one gate per head, or from "
                                                                      "the input")
 
@@ -275,9 +277,6 @@ def options_from_args(args, parser):
 
 def validate_options(opts, parser) -> None:
     m = opts.mixer
-    if m.get("convert_layers", "all") != "all" and m.get("window_size", 0) == 0:
-        parser.error(f"--convert-layers {m['convert_layers']} keeps layers as sliding-window attention, which needs "
-                     "--window-size > 0")
     if m.get("memory_size", 0) > 0 and m.get("window_size", 0) == 0:
         parser.error(f"--memory-size {m['memory_size']} needs the window branch: give --window-size > 0 "
                      "(the memory holds tokens that have left the window)")
@@ -437,6 +436,8 @@ def run_recipes(argv: list[str]) -> int:
               f"{b.batch_size} windows (lr {b.stage2_lr:g})")
         if r.notes:
             print(f"  {'':14s} {r.notes}")
+        if getattr(r, "license", None):
+            print(f"  {'':14s} teacher licence: {r.license}")
         print()
     return 0
 

@@ -134,6 +134,8 @@ def options_from_recipe(name: str, **overrides) -> ConvertOptions:
     )
     if b.recall_trials is not None:
         opts.recall_trials = b.recall_trials
+    if b.long_seq_len is not None:
+        opts.long_seq_len = b.long_seq_len
     return apply_overrides(opts, **overrides)
 
 
@@ -731,6 +733,7 @@ class _Inputs:
     data_info: dict
     stage1_train: torch.Tensor  # the training windows with recall-bearing ones mixed in (training_windows)
     stage2_train: torch.Tensor
+    kept: list  # layers that keep the teacher's local attention exactly (hybrid teachers), neither trained
 
 
 def _load_inputs(teacher_id: str, opts: ConvertOptions, accelerator, say) -> _Inputs:
@@ -748,6 +751,13 @@ def _load_inputs(teacher_id: str, opts: ConvertOptions, accelerator, say) -> _In
     student = build_student(teacher, opts.mixer)
     say(f"student: {json.dumps(opts.mixer)}; "
         f"{sum(p.numel() for p in student.parameters()) / 1e6:.1f}M parameters")
+    from .adapters import unchanged_layers
+
+    kept = unchanged_layers(teacher.config, student.config)  # a hybrid teacher's local layers, kept exactly
+    if kept:
+        say(f"student: layers {kept} keep the teacher's local attention exactly (window "
+            f"{student.config.sliding_window}); converted to Aaren: "
+            f"{[i for i in range(student.config.num_hidden_layers) if i not in kept]}")
     long_train, L = None, long_length(opts.long_seq_len, student.config)
     if L > opts.seq_len and opts.stage2.steps > 0:
         with accelerator.main_process_first():
@@ -756,7 +766,7 @@ def _load_inputs(teacher_id: str, opts: ConvertOptions, accelerator, say) -> _In
             say(f"data: too little text for stage-2 windows of {L} tokens; stage 2 uses {opts.seq_len}")
     data_info.pop("train_documents", None)
     stage1_train, stage2_train = training_windows(tokenizer, opts, train, long_train, student.config.window_size, say)
-    return _Inputs(tokenizer, teacher, student, train, heldout, data_info, stage1_train, stage2_train)
+    return _Inputs(tokenizer, teacher, student, train, heldout, data_info, stage1_train, stage2_train, kept)
 
 
 def _initialize(inputs: _Inputs, opts: ConvertOptions, work: Path, accelerator, say) -> Optional[dict]:
@@ -797,7 +807,8 @@ def _train(inputs: _Inputs, opts: ConvertOptions, work: Path, accelerator, say, 
     stage1_summary = None
     if opts.stage1.steps > 0:
         stage1_summary = run_stage1(student, teacher, inputs.stage1_train, heldout, opts.stage1, seed=opts.seed,
-                                    work_dir=work, accelerator=accelerator, log=say, progress_factory=progress)
+                                    work_dir=work, frozen_layers=inputs.kept, accelerator=accelerator, log=say,
+                                    progress_factory=progress)
         if accelerator.is_main_process:
             ts.atomic_write_json(work / "stage1.json", stage1_summary)
         before, after = stage1_summary["mean_heldout_fvu_before"], stage1_summary["mean_heldout_fvu_after"]
@@ -807,7 +818,7 @@ def _train(inputs: _Inputs, opts: ConvertOptions, work: Path, accelerator, say, 
     if opts.stage2.steps > 0:
         student, stage2_summary = run_stage2(student, teacher, inputs.stage2_train, heldout, opts.stage2,
                                              seed=opts.seed, work_dir=work, accelerator=accelerator, log=say,
-                                             progress_factory=progress)
+                                             progress_factory=progress, frozen_layers=inputs.kept)
     return student, stage1_summary, stage2_summary
 
 

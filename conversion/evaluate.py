@@ -55,6 +55,7 @@ __all__ = [
     "streaming_llm_baseline",
     "streaming_llm_mask",
     "teacher_kv_bytes_per_token",
+    "teacher_local_kv_bytes",
 ]
 
 DEFAULT_RECALL_DISTANCES = (32, 128, 512, 2048)  # for a student without a window
@@ -300,9 +301,10 @@ class StreamingLLMBaseline(nn.Module):
 
     def kv_bytes(self, dtype: Optional[torch.dtype] = None) -> int:
         """Bytes of the StreamingLLM cache (``kv_tokens`` = S + W - 1 tokens, per sequence), in ``dtype`` (default:
-        the teacher's)."""
+        the teacher's); for a hybrid teacher, of its global layers plus its local layers' own windows."""
         dtype = dtype or _param_dtype(self.teacher)
-        return self.kv_tokens * teacher_kv_bytes_per_token(self.teacher.config, dtype)
+        return (self.kv_tokens * teacher_kv_bytes_per_token(self.teacher.config, dtype)
+                + teacher_local_kv_bytes(self.teacher.config, dtype))
 
     def forward(self, input_ids=None, labels=None, attention_mask=None, **kwargs):
         if attention_mask is not None and not bool(torch.as_tensor(attention_mask).bool().all()):
@@ -311,10 +313,12 @@ class StreamingLLMBaseline(nn.Module):
         kwargs.pop("past_key_values", None)
         B, T = input_ids.shape
         dtype = _param_dtype(self.teacher)
-        mask = streaming_llm_mask(T, self.sinks, self.window, dtype=dtype, device=input_ids.device)
-        return self.teacher(
-            input_ids=input_ids, attention_mask=mask.expand(B, 1, T, T), labels=labels, use_cache=False, **kwargs
-        )
+        mask = streaming_llm_mask(T, self.sinks, self.window, dtype=dtype, device=input_ids.device).expand(B, 1, T, T)
+        local = _teacher_local_window(self.teacher.config)
+        if local:  # a hybrid teacher (Gemma-3): only the global layers get the StreamingLLM cache
+            own = streaming_llm_mask(T, 0, local, dtype=dtype, device=input_ids.device).expand(B, 1, T, T)
+            mask = {"full_attention": mask, "sliding_attention": own}
+        return self.teacher(input_ids=input_ids, attention_mask=mask, labels=labels, use_cache=False, **kwargs)
 
 
 def streaming_llm_baseline(teacher, sinks: int, window: int) -> StreamingLLMBaseline:
@@ -341,18 +345,48 @@ def _teacher_geometry(config) -> tuple[int, int, int]:
     return int(layers), int(kv_heads), int(head_dim)
 
 
+def _teacher_local_window(config) -> int:
+    """The local layers' window of a hybrid teacher (Gemma-3: "sliding_attention" layers), else 0."""
+    from .adapters import teacher_attention_types
+
+    if getattr(config, "model_type", None) != "gemma3_text" or "sliding_attention" not in teacher_attention_types(config):
+        return 0
+    return int(config.sliding_window)
+
+
 def teacher_kv_bytes_per_token(teacher_config, dtype: torch.dtype = torch.float32) -> int:
-    """KV-cache bytes per token and sequence: 2 (K and V) * layers * kv_heads * head_dim * bytes per element."""
+    """KV-cache bytes per token of context and sequence: 2 (K and V) * layers * kv_heads * head_dim * bytes per
+    element. A hybrid teacher's local layers hold a fixed window (:func:`teacher_local_kv_bytes`); only its global
+    layers count here."""
     layers, kv_heads, head_dim = _teacher_geometry(teacher_config)
+    if _teacher_local_window(teacher_config):
+        from .adapters import teacher_attention_types
+
+        layers = teacher_attention_types(teacher_config).count("full_attention")
     return 2 * layers * kv_heads * head_dim * _bytes_of(dtype)
 
 
-def aaren_state_bytes(student_config, kv_dtype: torch.dtype = torch.float32) -> int:
+def teacher_local_kv_bytes(teacher_config, dtype: torch.dtype = torch.float32, context: Optional[int] = None) -> int:
+    """Bytes a hybrid teacher's local layers hold (each its window - 1 tokens, fewer while ``context`` is shorter);
+    0 for other teachers."""
+    window = _teacher_local_window(teacher_config)
+    if not window:
+        return 0
+    from .adapters import teacher_attention_types
+
+    _, kv_heads, head_dim = _teacher_geometry(teacher_config)
+    tokens = window - 1 if context is None else min(window - 1, context)
+    local = teacher_attention_types(teacher_config).count("sliding_attention")
+    return 2 * local * kv_heads * head_dim * _bytes_of(dtype) * tokens
+
+
+def aaren_state_bytes(student_config, kv_dtype: torch.dtype = torch.float32, layers=None) -> int:
     """Bytes of one sequence's full AarenCache once the window is full (batch 1), asked of the cache itself rather
     than restated from the layer's shapes: a copy of the model that keeps everything the state depends on (layers and
     their types, heads, head size, slots, window, sinks, memory) and shrinks what it does not (vocabulary, hidden
     and MLP widths) runs in ``kv_dtype``, the dtype its window and memory keys/values take (the Aaren part is
-    float32 whatever the model's dtype), and is measured as :func:`state_bytes_table` measures a student."""
+    float32 whatever the model's dtype), and is measured as :func:`state_bytes_table` measures a student.
+    ``layers``: count only those layers' state (default: all)."""
     from aaren_hf.modeling_aaren import AarenForCausalLM
 
     # a learned position table only shifts the input embeddings; without it no window is too long for the table
@@ -362,24 +396,30 @@ def aaren_state_bytes(student_config, kv_dtype: torch.dtype = torch.float32) -> 
         "position_embedding_type": "none", "max_position_embeddings": None})
     with torch.random.fork_rng(devices=[]):  # building draws initial weights: the caller's random stream stays put
         model = AarenForCausalLM(shrunk).to(kv_dtype)
-    return _filled_state_bytes(model)["bytes"]
+    return _filled_state_bytes(model, layers)["bytes"]
 
 
-def _filled_state_bytes(model) -> dict:
+def _filled_state_bytes(model, layers=None) -> dict:
     """Feed ``model`` random tokens through an ``AarenCache`` until its window (if any) is full, then as many again,
-    and read the cache's size after each: ``{"bytes", "first", "tokens": [after first, after second]}``."""
+    and read the cache's size after each: ``{"bytes", "first", "tokens": [after first, after second]}``; ``layers``:
+    only those layers' state (default: all)."""
     from aaren_hf.modeling_aaren import AarenCache
 
     cfg = model.config
-    first = max(16, cfg.window_size + cfg.num_sink_tokens + 1)
+    first = max(16, *(sum(cfg.layer_window(i)[:2]) + 1 for i in range(cfg.num_hidden_layers)))
+    chosen = range(cfg.num_hidden_layers) if layers is None else layers
+
+    def held():
+        return sum(t.numel() * t.element_size() for i in chosen for t in cache.layers[i].tensors().values())
+
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (1, 2 * first), generator=generator).to(_device(model))
     cache = AarenCache(cfg)
     with torch.no_grad(), _eval_mode(model):
         model(input_ids=ids[:, :first], past_key_values=cache, use_cache=True)
-        measured_first = cache.state_bytes()
+        measured_first = held()
         model(input_ids=ids[:, first:], past_key_values=cache, use_cache=True)
-    return {"bytes": cache.state_bytes(), "first": measured_first, "tokens": [first, 2 * first]}
+    return {"bytes": held(), "first": measured_first, "tokens": [first, 2 * first]}
 
 
 def equal_memory_window(student_config, teacher_config, sinks: int, kv_dtype: torch.dtype = torch.float32) -> dict:
@@ -392,7 +432,15 @@ def equal_memory_window(student_config, teacher_config, sinks: int, kv_dtype: to
     smaller than S teacher tokens). Returns the window and both byte counts."""
     student_bytes = aaren_state_bytes(student_config, kv_dtype)
     per_token = teacher_kv_bytes_per_token(teacher_config, kv_dtype)
-    tokens = student_bytes // per_token
+    local = teacher_local_kv_bytes(teacher_config, kv_dtype)
+    if local:  # hybrid: both keep the teacher's local layers as they are; the global layers' bytes are compared
+        from .adapters import unchanged_layers
+
+        kept = unchanged_layers(teacher_config, student_config)
+        budget = student_bytes - aaren_state_bytes(student_config, kv_dtype, layers=kept)
+    else:
+        budget = student_bytes
+    tokens = budget // per_token
     window = tokens - sinks + 1
     clamped = window < 1
     window = max(1, window)
@@ -400,7 +448,7 @@ def equal_memory_window(student_config, teacher_config, sinks: int, kv_dtype: to
         "window": int(window),
         "sinks": int(sinks),
         "student_state_bytes": int(student_bytes),
-        "baseline_kv_bytes": int((window - 1 + sinks) * per_token),
+        "baseline_kv_bytes": int((window - 1 + sinks) * per_token + local),
         "teacher_kv_bytes_per_token": int(per_token),
         "student_window": int(student_config.window_size),
         "student_sinks": int(student_config.num_sink_tokens),
@@ -423,7 +471,7 @@ def state_bytes_table(student, teacher_config, contexts: Sequence[int] = (4096, 
     per_token = teacher_kv_bytes_per_token(teacher_config, kv_dtype)
     rows = []
     for T in contexts:
-        teacher_bytes = per_token * T
+        teacher_bytes = per_token * T + teacher_local_kv_bytes(teacher_config, kv_dtype, context=T)
         row = {
             "context": int(T),
             "teacher_kv_bytes": int(teacher_bytes),
@@ -791,7 +839,7 @@ def evaluate(student, teacher, tokenizer, heldout_windows, *, sinks: int = 1, wi
         }
     }
     models = _compared_models(student, teacher, results, sinks=sinks, window=window, kv_dtype=kv_dtype, length=L,
-                              contexts=contexts, quick=quick, retention=retention)
+                              contexts=contexts, quick=quick, retention=retention, say=say)
     # long windows in batches of about as many tokens as the main ones (memory: [batch, L, vocab] logits)
     long_batch = max(1, batch_size * L // long.shape[1]) if long is not None else None
     _score_perplexity(models, windows, long, batch_size, long_batch, long_range_from, buckets, timer, say)
@@ -839,7 +887,7 @@ def _recall_distances(recall_distances, student_window: int, recall_multiples: S
 
 
 def _compared_models(student, teacher, results: dict, *, sinks: int, window, kv_dtype: torch.dtype, length: int,
-                     contexts: Sequence[int], quick: bool, retention: bool) -> list[tuple[dict, nn.Module]]:
+                     contexts: Sequence[int], quick: bool, retention: bool, say) -> list[tuple[dict, nn.Module]]:
     """[(entry, model)] of the teacher, the student and the baselines (see :func:`evaluate`); records the memory
     comparisons (``equal_memory``, ``memory``, ``equal_memory_retention``) in ``results``."""
     from .retention_baseline import equal_memory_retention, retention_baseline
@@ -858,7 +906,8 @@ def _compared_models(student, teacher, results: dict, *, sinks: int, window, kv_
     results["memory"] = memory
 
     models = [
-        ({"name": "teacher", "kind": "teacher", "memory_bytes": per_token * length,
+        ({"name": "teacher", "kind": "teacher",
+          "memory_bytes": per_token * length + teacher_local_kv_bytes(teacher.config, kv_dtype, context=length),
           "memory_note": f"KV at {length} tokens, grows"}, teacher),
         ({"name": "student (Aaren)", "kind": "student", "memory_bytes": memory["student_state_bytes"],
           "memory_note": "constant"}, student),
@@ -870,6 +919,9 @@ def _compared_models(student, teacher, results: dict, *, sinks: int, window, kv_
         models.append(({"name": f"teacher, StreamingLLM S={sinks} W={w} ({tag})", "kind": "baseline",
                         "sinks": sinks, "window": w, "memory_bytes": base.kv_bytes(kv_dtype),
                         "memory_note": "constant"}, base))
+    if retention and _teacher_local_window(teacher.config):
+        say("retention baseline (TOVA): skipped, it does not model a hybrid teacher's local layers yet")
+        retention = False
     if retention:
         kept = equal_memory_retention(student.config, teacher.config, sinks, kv_dtype=kv_dtype)
         results["equal_memory_retention"] = kept

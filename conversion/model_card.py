@@ -21,6 +21,7 @@ TAGS = ["aaren", "linear-attention", "recurrent", "distillation"]
 # Known teacher families: (pattern on the teacher's name, hub organisation, license on the Hub).
 _KNOWN_TEACHERS = (
     (r"^smollm2-", "HuggingFaceTB", "apache-2.0"),
+    (r"^gemma-3-", "google", "gemma"),
     (r"^smollm-", "HuggingFaceTB", "apache-2.0"),
     (r"^gpt2(-medium|-large|-xl)?$", "openai-community", "mit"),
     (r"^distilgpt2$", "distilbert", "apache-2.0"),
@@ -113,6 +114,12 @@ def _student_summary(cfg: dict) -> str:
                      f"gate per {cfg.get('window_gate', 'head')}")
     else:
         parts.append("no softmax window")
+    kept = [i for i, t in enumerate(cfg.get("layer_types") or []) if t == "sliding_attention"]
+    if kept and cfg.get("sliding_window"):
+        parts.append(f"layers {kept} kept as the teacher's own sliding-window attention "
+                     f"({cfg['sliding_window']} tokens)")
+    elif kept:
+        parts.append(f"layers {kept} window attention only (no Aaren state)")
     return ", ".join(str(p) for p in parts)
 
 
@@ -141,13 +148,18 @@ def render_model_card(recipe_info: dict, results: Optional[dict], model_name: Op
 
 def _introduction(recipe_info: dict, meta: dict, teacher_label: str) -> list:
     """What the model is, its architecture, where the teacher came from, and what is not known here."""
+    student_cfg = recipe_info.get("student_config") or {}
+    hybrid = student_cfg.get("sliding_window") and "sliding_attention" in (student_cfg.get("layer_types") or [])
+    replaced = ("Each global softmax attention layer is replaced by an Aaren mixer that keeps a fixed-size recurrent "
+                "state (the teacher's local sliding-window layers are kept as they are, bounded already)" if hybrid
+                else "Each softmax attention layer is replaced by an Aaren mixer that keeps a fixed-size recurrent "
+                "state")
     lines = [
         f"An [Aaren](https://arxiv.org/abs/2405.13956) (\"Attention as an RNN\") language model converted from "
-        f"**{teacher_label}** by distillation with [aaren-hf](https://pypi.org/project/aaren-hf/). Each softmax "
-        "attention layer is replaced by an Aaren mixer that keeps a fixed-size recurrent state, so generation needs "
-        "the same memory at every context length instead of a key/value cache that grows with it."
+        f"**{teacher_label}** by distillation with [aaren-hf](https://pypi.org/project/aaren-hf/). {replaced}, so "
+        "generation needs the same memory at every context length instead of a key/value cache that grows with it."
     ]
-    summary = _student_summary(recipe_info.get("student_config") or {})
+    summary = _student_summary(student_cfg)
     if summary:
         lines += ["", f"Architecture: {summary}."]
     source = recipe_info.get("teacher_source") or teacher_hub_info(recipe_info.get("teacher")).get("source")
@@ -160,6 +172,11 @@ def _introduction(recipe_info: dict, meta: dict, teacher_label: str) -> list:
                       "--base-model OWNER/NAME` adds it before uploading."]
     if meta["license"] == "unknown":
         lines += ["", "License: unknown here; check the teacher's license, which this model inherits."]
+    elif meta["license"] == "gemma":
+        lines += ["", "License: the [Gemma Terms of Use](https://ai.google.dev/gemma/terms), which this model "
+                      "inherits from its teacher (a base model, not instruction-tuned). They are not an OSI open-source "
+                      "licence: they carry use restrictions (the Gemma Prohibited Use Policy) that pass on to every "
+                      "copy and derivative."]
     return lines
 
 

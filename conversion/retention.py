@@ -22,7 +22,7 @@ import torch
 
 from aaren_hf.modeling_aaren import memory_visibility, rotate, round_retention
 
-from .adapters import teacher_qkv
+from .adapters import teacher_attention_scale, teacher_qkv
 
 __all__ = ["beyond_window_mass", "coverage", "fit_retention", "rule_scores", "teacher_attention"]
 
@@ -37,7 +37,7 @@ def teacher_attention(teacher_layer, x: torch.Tensor, inv_freq: torch.Tensor) ->
     pos = torch.arange(T).expand(B, T)
     q, k = rotate(q, pos, inv_freq).float(), rotate(k, pos, inv_freq).float()
     k = k.repeat_interleave(H // k.shape[2], dim=2)
-    scores = torch.einsum("bthd,bshd->bhts", q, k) * D**-0.5
+    scores = torch.einsum("bthd,bshd->bhts", q, k) * teacher_attention_scale(teacher_layer, D)
     causal = torch.ones(T, T, dtype=torch.bool).tril()
     return torch.softmax(scores.masked_fill(~causal, float("-inf")), -1)
 
@@ -82,7 +82,7 @@ def rule_scores(mixer, x: torch.Tensor, rule: str) -> torch.Tensor:
     """[B, T, Hkv] retention scores of a rule for the mixer's input x: "learned" (retention_proj), "aaren" (the
     learned queries' highest score), "recent" (all equal: the memory extends the window), "random"."""
     B, T, _ = x.shape
-    Hkv, D = mixer.num_kv_heads, mixer.head_dim
+    Hkv = mixer.num_kv_heads
     if rule == "recent":
         return torch.zeros(B, T, Hkv)
     if rule == "random":
@@ -90,10 +90,7 @@ def rule_scores(mixer, x: torch.Tensor, rule: str) -> torch.Tensor:
     x = x.to(mixer.k_proj.weight.dtype)
     if rule == "learned":
         return mixer.retention_proj(x).float()
-    k = mixer.k_proj(x).view(B, T, Hkv, D)
-    if hasattr(mixer, "k_norm"):
-        k = mixer.k_norm(k)
-    return mixer.slot_scores(k).view(B, T, Hkv, -1).amax(-1)
+    return mixer.slot_scores(mixer.keys(x)).view(B, T, Hkv, -1).amax(-1)
 
 
 @torch.no_grad()

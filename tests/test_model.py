@@ -110,8 +110,9 @@ def test_inputs_embeds_equals_input_ids():
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _rms(x, weight, eps):
-    return weight.double() * x.double() / torch.sqrt(x.double().pow(2).mean(-1, keepdim=True) + eps)
+def _rms(x, weight, eps, unit_offset=False):
+    scale = 1.0 + weight.double() if unit_offset else weight.double()
+    return scale * x.double() / torch.sqrt(x.double().pow(2).mean(-1, keepdim=True) + eps)
 
 
 @torch.no_grad()
@@ -119,7 +120,7 @@ def reference_mixer(mixer, config, x, mask):
     """The mixer written from the config docs and docs/aaren_math.md, in float64, with T x T masked softmaxes."""
     B, T, E = x.shape
     H, Hkv, D, J = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.num_query_slots
-    G, scale = H // Hkv, D**-0.5
+    G, scale = H // Hkv, (config.query_pre_attn_scalar or D) ** -0.5
     pos = (mask.long().cumsum(1) - 1).masked_fill(~mask, -1)
     x = x.double()
     lin = lambda layer, inp: F.linear(inp, layer.weight.double(), None if layer.bias is None else layer.bias.double())
@@ -127,8 +128,11 @@ def reference_mixer(mixer, config, x, mask):
     v = lin(mixer.v_proj, x).view(B, T, Hkv, D)
     q = lin(mixer.q_proj, x).view(B, T, H, D) if hasattr(mixer, "q_proj") else None
     if config.qk_norm:
-        k = _rms(k, mixer.k_norm.weight, config.rms_norm_eps)
-        q = _rms(q, mixer.q_norm.weight, config.rms_norm_eps) if q is not None else None
+        k = _rms(k, mixer.k_norm.weight, config.rms_norm_eps, config.rms_norm_unit_offset)
+        q = _rms(q, mixer.q_norm.weight, config.rms_norm_eps, config.rms_norm_unit_offset) if q is not None else None
+    if not mixer.aaren_branch and config.sliding_window:  # the teacher's own local attention: window alone
+        win = brute_force_window(q, k, v, pos, config.sliding_window, 0, mixer.rope_inv_freq, scale)
+        return lin(mixer.o_proj, win.reshape(B, T, H * D))
     if not mixer.aaren_branch:  # a sliding-attention layer: the window branch alone
         win = brute_force_window(q, k, v, pos, config.window_size, config.num_sink_tokens, mixer.rope_inv_freq,
                                  scale, config.memory_size, mixer.retention_score(x.float(), None))
