@@ -187,10 +187,12 @@ class LlamaAdapter:
     def base(model: nn.Module) -> nn.Module:
         return model.model if hasattr(model, "model") and hasattr(model.model, "layers") else model
 
+    mlp_norm = "post_attention_layernorm"  # the norm in front of the MLP
+
     @classmethod
     def layers(cls, model: nn.Module) -> list[TeacherLayer]:
         return [
-            TeacherLayer(i, layer, layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm,
+            TeacherLayer(i, layer, layer.self_attn, layer.input_layernorm, getattr(layer, cls.mlp_norm),
                          layer.mlp, cls.family)
             for i, layer in enumerate(cls.base(model).layers)
         ]
@@ -239,7 +241,7 @@ class LlamaAdapter:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-class Gemma3Adapter:
+class Gemma3Adapter(LlamaAdapter):
     """``Gemma3ForCausalLM`` (model_type ``gemma3_text``). The block is Llama's with: RMSNorms that scale by
     (1 + weight), norms after attention and after the MLP (``post_attention_layernorm``,
     ``post_feedforward_layernorm``; the MLP's input norm is ``pre_feedforward_layernorm``), q/k RMSNorms, embeddings
@@ -310,20 +312,8 @@ class Gemma3Adapter:
             kwargs["sliding_window"] = int(cfg.sliding_window)
         return kwargs
 
-    @staticmethod
-    def base(model: nn.Module) -> nn.Module:
-        return model.model if hasattr(model, "model") and hasattr(model.model, "layers") else model
-
-    @classmethod
-    def layers(cls, model: nn.Module) -> list[TeacherLayer]:
-        return [
-            TeacherLayer(i, layer, layer.self_attn, layer.input_layernorm, layer.pre_feedforward_layernorm,
-                         layer.mlp, cls.family)
-            for i, layer in enumerate(cls.base(model).layers)
-        ]
-
-    qkv = staticmethod(LlamaAdapter.qkv)  # q/k norms (1 + weight) before rotary, as Qwen3's
-    qkv_weights = staticmethod(LlamaAdapter.qkv_weights)
+    mlp_norm = "pre_feedforward_layernorm"
+    # base, layers, qkv (q/k norms before rotary, as Qwen3's) and qkv_weights: LlamaAdapter's
 
     @classmethod
     def state_dict(cls, model: nn.Module, aaren: AarenConfig) -> dict[str, torch.Tensor]:
