@@ -10,6 +10,7 @@ MLP_TYPES = ("gated", "plain")
 POSITION_EMBEDDINGS = ("none", "learned")
 MEMORY_RULES = ("learned", "aaren")
 LAYER_TYPES = ("linear_attention", "sliding_attention")
+KV_CACHE_DTYPES = (None, "bfloat16", "float16")
 # Bumped when a checkpoint's meaning changes; code refuses checkpoints from a newer format instead of misreading them.
 AAREN_FORMAT_VERSION = 1
 
@@ -41,6 +42,10 @@ class AarenConfig(PreTrainedConfig):
             head (zero-initialised: then every token ties and the memory holds the M newest tokens beyond the
             window; conversion trains it to predict which tokens the teacher's later queries attend to).
             "aaren": the highest Aaren score <k, c_hj> over the head group's learned queries, no extra parameters.
+        kv_cache_dtype (`str`, None): the dtype the window, sink and memory keys/values are stored in ("bfloat16" or
+            "float16"; None: the model's dtype, like a KV cache). The window branch rounds its keys and values to it
+            in training and prefill too, so every path computes on the numbers the cache holds; the Aaren state,
+            positions and retention scores stay float32. Halves the window and memory bytes of a float32 model.
         layer_types (`list[str]`, None): per layer, "linear_attention" (the Aaren mixer above, named as transformers
             names recurrent layers) or "sliding_attention" (the window branch alone: exact softmax over sinks, window
             and memory, no Aaren state, no gate). None: all "linear_attention".
@@ -115,6 +120,7 @@ class AarenConfig(PreTrainedConfig):
         window_gate_init=0.0,
         memory_size=0,
         memory_rule="learned",
+        kv_cache_dtype=None,
         layer_types=None,
         sliding_window=None,
         rope_theta_per_layer=None,
@@ -169,6 +175,7 @@ class AarenConfig(PreTrainedConfig):
         self.window_gate_init = window_gate_init
         self.memory_size = memory_size
         self.memory_rule = memory_rule
+        self.kv_cache_dtype = kv_cache_dtype
         self.layer_types = list(layer_types) if layer_types is not None else None
         self.sliding_window = sliding_window
         self.rope_theta_per_layer = [float(t) for t in rope_theta_per_layer] if rope_theta_per_layer else None
@@ -232,6 +239,7 @@ class AarenConfig(PreTrainedConfig):
             "mlp_type": MLP_TYPES,
             "position_embedding_type": POSITION_EMBEDDINGS,
             "memory_rule": MEMORY_RULES,
+            "kv_cache_dtype": KV_CACHE_DTYPES,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

@@ -42,7 +42,8 @@ PREFILL_CHUNK = 2048
 
 
 class AarenLayerState:
-    """One layer's state. Aaren part in float32; window keys/values in the model dtype, like a KV cache.
+    """One layer's state. Aaren part in float32; window, sink and memory keys/values in ``config.kv_cache_dtype`` or
+    else the model dtype, like a KV cache.
 
     Tensors are None until the first forward fills them, so a cache made before the batch is known (as
     ``generate`` does) needs no sizes.
@@ -309,6 +310,16 @@ def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sin
     return out.reshape(B, Tp, H, D)[:, :T].to(q.dtype)
 
 
+def round_to_cache(x: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """x as a cache stored in ``dtype`` gives it back (None: unchanged). float16 saturates at its largest finite value
+    rather than overflowing to inf."""
+    if dtype is None or dtype == x.dtype:
+        return x
+    if dtype == torch.float16:
+        x = x.clamp(-65504.0, 65504.0)
+    return x.to(dtype).to(x.dtype)
+
+
 def round_retention(score: torch.Tensor) -> torch.Tensor:
     """Retention scores on a grid of 1/64 (see ``AarenMixer.retention_score``)."""
     return torch.round(score.float() * 64) / 64
@@ -408,6 +419,7 @@ class AarenMixer(nn.Module):
         if self.window > 0:
             self.register_buffer("rope_inv_freq", torch.zeros(config.rotary_dim // 2), persistent=True)
         self.memory_rule = config.memory_rule
+        self.kv_cache_dtype = getattr(torch, config.kv_cache_dtype) if config.kv_cache_dtype else None
         if self.memory_size > 0 and self.memory_rule == "learned":
             self.retention_proj = nn.Linear(E, Hkv, bias=True)
 
@@ -545,16 +557,19 @@ class AarenMixer(nn.Module):
 
     def window_branch(self, q, k, v, pos, state, retention=None):
         B, T, Hkv, D = k.shape
-        k = rotate(k, pos.clamp(min=0), self.rope_inv_freq)
+        # every path (training, prefill, decoding) computes on the keys/values as the cache stores them
+        k = round_to_cache(rotate(k, pos.clamp(min=0), self.rope_inv_freq), self.kv_cache_dtype)
+        v = round_to_cache(v, self.kv_cache_dtype)
+        stored = self.kv_cache_dtype or k.dtype
         S = self.num_sinks
         if state is not None and state.window_k is not None:
             k_prev, v_prev, pos_prev = state.window_k, state.window_v, state.window_pos
             sink_k, sink_v, sink_pos = state.sink_k, state.sink_v, state.sink_pos
         else:
-            k_prev = k.new_zeros(B, 0, Hkv, D)
-            v_prev = v.new_zeros(B, 0, Hkv, D)
+            k_prev = k.new_zeros(B, 0, Hkv, D, dtype=stored)
+            v_prev = v.new_zeros(B, 0, Hkv, D, dtype=stored)
             pos_prev = pos.new_zeros(B, 0)
-            sink_k, sink_v = k.new_zeros(B, S, Hkv, D), v.new_zeros(B, S, Hkv, D)
+            sink_k, sink_v = k.new_zeros(B, S, Hkv, D, dtype=stored), v.new_zeros(B, S, Hkv, D, dtype=stored)
             sink_pos = pos.new_full((B, S), -1)
         if S > 0:
             # the first S real tokens become sinks; keys were rotated at their own position (= slot index)
@@ -579,7 +594,7 @@ class AarenMixer(nn.Module):
             state.sink_k, state.sink_v, state.sink_pos = sink_k.detach(), sink_v.detach(), sink_pos
             if memory is not None:
                 state.window_score = candidates["stream_score"][:, first:]
-                self.keep_memory(state, candidates)
+                self.keep_memory(state, candidates, stored)
         return out
 
     def memory_candidates(self, k, v, pos, retention, k_prev, v_prev, pos_prev, state):
@@ -607,9 +622,9 @@ class AarenMixer(nn.Module):
                       "stream_score": stream_score}
         return (cand_k, cand_v, visible), candidates
 
-    def keep_memory(self, state, candidates):
+    def keep_memory(self, state, candidates, stored: torch.dtype):
         """Store the top set for the next query in M fixed slots (empty slots: position -1), so the state has the
-        same size from the first call on."""
+        same size from the first call on; keys and values in ``stored``."""
         keep, M = candidates["keep"], self.memory_size
         B, Hkv, C = keep.shape
         if C < M:  # fewer candidates than slots: pad with empty ones
@@ -622,8 +637,8 @@ class AarenMixer(nn.Module):
         idx = torch.sort((~keep).to(torch.uint8), dim=-1, stable=True).indices[..., :M]  # kept ones first
         kept = keep.gather(2, idx)
         D = candidates["k"].shape[-1]
-        state.memory_k = candidates["k"].gather(2, idx.unsqueeze(-1).expand(B, Hkv, M, D)).detach()
-        state.memory_v = candidates["v"].gather(2, idx.unsqueeze(-1).expand(B, Hkv, M, D)).detach()
+        state.memory_k = candidates["k"].gather(2, idx.unsqueeze(-1).expand(B, Hkv, M, D)).detach().to(stored)
+        state.memory_v = candidates["v"].gather(2, idx.unsqueeze(-1).expand(B, Hkv, M, D)).detach().to(stored)
         state.memory_pos = candidates["pos"].gather(2, idx).masked_fill(~kept, -1)
         state.memory_score = candidates["score"].gather(2, idx).masked_fill(~kept, float("-inf"))
 

@@ -72,7 +72,7 @@ def main() -> None:
 
     import aaren_hf  # noqa: F401
     from aaren_hf.conversion.convert import load_teacher, resolve_teacher
-    from aaren_hf.conversion.data import load_token_windows
+    from aaren_hf.conversion.data import load_token_windows, text_tokens
     from aaren_hf.conversion.evaluate import recall_probe
     from aaren_hf.conversion.retention_baseline import retention_baseline
 
@@ -83,7 +83,7 @@ def main() -> None:
                                       else record["teacher"])
     windows = load_token_windows(tokenizer, list(options["data"]), seq_len=options["seq_len"], num_train=None,
                                  num_heldout=options["heldout_windows"], seed=options["seed"])
-    filler = windows.heldout.reshape(-1)
+    filler = text_tokens(windows.heldout, tokenizer)
     mixer = options["mixer"]
     sinks, window = mixer["num_sink_tokens"], mixer["window_size"]
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]

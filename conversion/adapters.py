@@ -52,7 +52,7 @@ __all__ = [
 SUPPORTED_TEACHERS = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gpt2", "gpt_neox")
 
 MIXER_OPTIONS = ("num_query_slots", "decay", "decay_init", "window_size", "num_sink_tokens", "window_gate",
-                 "window_gate_init", "memory_size", "memory_rule", "convert_layers", "chunk_size")
+                 "window_gate_init", "memory_size", "memory_rule", "kv_cache_dtype", "convert_layers", "chunk_size")
 
 
 @dataclass

@@ -137,6 +137,9 @@ def convert_parser() -> argparse.ArgumentParser:
     g.add_argument("--memory-rule", choices=("learned", "aaren"),
                    help="what the memory keeps: a retention score fitted to the teacher's attention, or the Aaren "
                         "queries' scores")
+    g.add_argument("--kv-cache-dtype", choices=("bfloat16", "float16", "model"),
+                   help="the dtype the window, sink and memory keys/values are stored (and computed) in; 'model': "
+                        "the model's own dtype. The Aaren state stays float32")
     g.add_argument("--convert-layers", metavar="LAYERS",
                    help="which layers become Aaren layers: 'all', 'none', 'global' (the teacher's full-attention "
                         "layers), or indices like '0,5,11'. Default: 'global' for teachers with local sliding-window "
@@ -249,8 +252,10 @@ def options_from_args(args, parser):
     else:
         opts = ConvertOptions()
     mixer = {k: getattr(args, k) for k in ("num_query_slots", "decay", "window_size", "num_sink_tokens", "window_gate",
-                                           "memory_size", "memory_rule", "convert_layers")
+                                           "memory_size", "memory_rule", "kv_cache_dtype", "convert_layers")
              if getattr(args, k) is not None}
+    if mixer.get("kv_cache_dtype") == "model":
+        mixer["kv_cache_dtype"] = None
     stage1 = {"steps": args.stage1_steps, "lr": args.stage1_lr, "windows": args.stage1_windows,
               "batch_size": args.stage1_batch_size, "checkpoint_every": args.checkpoint_every}
     if args.freeze_teacher_weights:

@@ -19,7 +19,11 @@ Each document is tokenised without special tokens, followed by EOS (so EOS separ
 preceded by BOS. Identical documents are kept once. Documents are shuffled with ``seed`` and assigned to the
 held-out split until it holds ``num_heldout`` windows (or ``heldout_fraction`` of the tokens); each split is then
 packed on its own into windows of ``seq_len`` tokens (windows may span documents of the same split; the last
-partial window is dropped, so there is never padding) and its windows are shuffled with ``seed``.
+partial window is dropped, so there is never padding) and its windows are shuffled with ``seed``. When the
+tokenizer puts a BOS before every text it encodes (Gemma; not SmolLM2 or GPT-2), each window is that BOS followed by
+``seq_len - 1`` tokens of text, as the model sees any prompt: such models lean on the BOS (the Gemma-3 teacher's
+perplexity on a window's first 64 tokens is 79 without it). :func:`text_tokens` strips it again where windows
+serve as filler text.
 
 Tokenised documents are cached under ``$AAREN_HF_CACHE/tokens`` (``.npy`` arrays and JSON, never pickles), keyed
 by a hash of the tokenizer and the sources, so repeated runs skip tokenisation.
@@ -381,12 +385,35 @@ def tokenize_documents(tokenizer, sources, *, text_field: str = "text", dataset_
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _pack(tokens: np.ndarray, offsets: np.ndarray, documents: Sequence[int], seq_len: int) -> np.ndarray:
+def leading_bos(tokenizer) -> int | None:
+    """The BOS id ``tokenizer`` puts before every text it encodes, or None when it adds none."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return None
+    ids = tokenizer("x")["input_ids"]
+    return bos if len(ids) and ids[0] == bos else None
+
+
+def text_tokens(windows: torch.Tensor, tokenizer) -> torch.Tensor:
+    """The windows' text as one 1D token sequence, without the BOS each window starts with (see the module
+    docstring): filler for passkeys and recall exercises."""
+    windows = torch.as_tensor(windows)
+    if leading_bos(tokenizer) is not None and windows.dim() == 2:
+        windows = windows[:, 1:]
+    return windows.reshape(-1)
+
+
+def _pack(tokens: np.ndarray, offsets: np.ndarray, documents: Sequence[int], seq_len: int,
+          bos: int | None = None) -> np.ndarray:
     if not len(documents):
         return np.zeros((0, seq_len), dtype=np.int64)
     stream = np.concatenate([tokens[offsets[i]:offsets[i + 1]] for i in documents])
-    count = len(stream) // seq_len
-    return stream[: count * seq_len].reshape(count, seq_len).astype(np.int64)
+    body = seq_len - (bos is not None)
+    count = len(stream) // body
+    windows = stream[: count * body].reshape(count, body).astype(np.int64)
+    if bos is not None:
+        windows = np.concatenate([np.full((count, 1), bos, dtype=np.int64), windows], 1)
+    return windows
 
 
 def load_token_windows(tokenizer, sources, seq_len: int = 512, num_train: int | None = None,
@@ -425,8 +452,9 @@ def load_token_windows(tokenizer, sources, seq_len: int = 512, num_train: int | 
     heldout_docs = sorted(int(i) for i in order[:cut])
     train_docs = sorted(int(i) for i in order[cut:])
 
-    heldout = _pack(tokens, offsets, order[:cut], seq_len)
-    train = _pack(tokens, offsets, order[cut:], seq_len)
+    bos = leading_bos(tokenizer)
+    heldout = _pack(tokens, offsets, order[:cut], seq_len, bos)
+    train = _pack(tokens, offsets, order[cut:], seq_len, bos)
     heldout = heldout[rng.permutation(len(heldout))]
     train = train[rng.permutation(len(train))]
     if num_heldout is not None:

@@ -89,6 +89,13 @@ def _param_dtype(model) -> torch.dtype:
     return torch.float32
 
 
+def _kv_dtype(model) -> torch.dtype:
+    """The dtype ``model`` caches keys/values in: its ``config.kv_cache_dtype`` where set (an Aaren student storing
+    them in 16 bits), else its parameters'. Equal-memory baselines are sized in the student's."""
+    name = getattr(model.config, "kv_cache_dtype", None)
+    return getattr(torch, name) if name else _param_dtype(model)
+
+
 @contextlib.contextmanager
 def _eval_mode(model):
     was_training = getattr(model, "training", False)
@@ -462,10 +469,10 @@ def state_bytes_table(student, teacher_config, contexts: Sequence[int] = (4096, 
                       kv_dtype: Optional[torch.dtype] = None, baseline: Optional[dict] = None) -> dict:
     """The student's state bytes, measured from an ``AarenCache`` after a forward (and again after more tokens, to
     show it is constant), vs the teacher's KV-cache bytes (2 * layers * kv_heads * head_dim * T * bytes) at
-    ``contexts``. ``kv_dtype`` (default: the student's parameter dtype) is used for the teacher's cache.
+    ``contexts``. ``kv_dtype`` (default: the dtype the student caches keys/values in) is used for the teacher's cache.
     ``baseline``: an :func:`equal_memory_window` result, whose S + W - 1 token cache is added as a column.
     Per sequence (batch 1)."""
-    kv_dtype = kv_dtype or _param_dtype(student)
+    kv_dtype = kv_dtype or _kv_dtype(student)
     measured = _filled_state_bytes(student)
     measured_first, measured_second = measured["first"], measured["bytes"]
     per_token = teacher_kv_bytes_per_token(teacher_config, kv_dtype)
@@ -811,9 +818,11 @@ def evaluate(student, teacher, tokenizer, heldout_windows, *, sinks: int = 1, wi
         recall_distances = [d for d in recall_distances if d <= 512] or recall_distances[:1]
         prompts = list(prompts)[:1]
         max_new_tokens = min(max_new_tokens, 16)
+    from .data import text_tokens
+
     N, L = windows.shape
     long_range_from = min(long_range_from, L - 1)
-    kv_dtype = _param_dtype(student)
+    kv_dtype = _kv_dtype(student)
     if buckets is None:
         buckets = position_buckets(student_window, max(L, long.shape[1] if long is not None else 0))
 
@@ -845,7 +854,7 @@ def evaluate(student, teacher, tokenizer, heldout_windows, *, sinks: int = 1, wi
     _score_perplexity(models, windows, long, batch_size, long_batch, long_range_from, buckets, timer, say)
     results["perplexity"] = [entry for entry, _ in models]
     results["recall"] = [
-        _recall_of(entry, model, tokenizer, windows.reshape(-1), recall_distances, recall_trials, seed, wording,
+        _recall_of(entry, model, tokenizer, text_tokens(windows, tokenizer), recall_distances, recall_trials, seed, wording,
                    batch_size, student_window, timer, say)
         for wording in recall_wordings for entry, model in models
     ]

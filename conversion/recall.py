@@ -130,12 +130,14 @@ def _ids(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
 
 
-def _filler_stream(filler_windows) -> list[int]:
+def _filler_stream(filler_windows, tokenizer) -> list[int]:
+    from .data import text_tokens
+
     filler = torch.as_tensor(filler_windows)
     if filler.dim() != 2 or filler.numel() == 0:
         raise ValueError(f"filler_windows must be a non-empty [N, L] tensor of token ids, got shape "
                          f"{tuple(filler.shape)}")
-    return filler.reshape(-1).tolist()
+    return text_tokens(filler, tokenizer).tolist()
 
 
 def _take(stream: list[int], rng: random.Random, n: int) -> list[int]:
@@ -189,7 +191,7 @@ def make_recall_windows(tokenizer, filler_windows, n: int, seq_len: int, window:
         raise ValueError("templates and key_formats must not be empty")
     for f in key_formats:
         make_key(random.Random(0), f)  # unknown formats fail here, before any work
-    stream = _filler_stream(filler_windows)
+    stream = _filler_stream(filler_windows, tokenizer)
     rng = random.Random(seed)
     lo = max(1, int(round(min_multiple * window)))
     rows, infos = [], []

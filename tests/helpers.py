@@ -45,6 +45,8 @@ MIXER_CASES = {
                              memory_rule="aaren"),
     "memory_gate_input_decay": dict(window_size=3, num_sink_tokens=2, memory_size=4, window_gate="input",
                                     decay="learned"),
+    # window, sink and memory keys/values stored (and computed on) in 16 bits in a float32 model
+    "memory_kv_bf16": dict(window_size=3, num_sink_tokens=1, memory_size=3, kv_cache_dtype="bfloat16"),
     "sliding_layer_memory": dict(window_size=4, num_sink_tokens=1, memory_size=2,
                                  layer_types=["linear_attention", "sliding_attention"]),
     # Gemma-3's block: (1 + w) RMSNorms, post norms, q/k norms, scaled embeddings, query_pre_attn_scalar, GELU-tanh,
@@ -175,14 +177,16 @@ def rope(x: torch.Tensor, position: torch.Tensor, inv_freq: torch.Tensor) -> tor
     return torch.cat([z.real, z.imag, x[..., 2 * half :].double()], -1)
 
 
-def brute_force_window(q, k, v, pos, window, num_sinks, inv_freq, scale, memory_size=0, retention=None):
+def brute_force_window(q, k, v, pos, window, num_sinks, inv_freq, scale, memory_size=0, retention=None,
+                       kv_dtype=None):
     """T x T masked softmax: query at position p sees the real keys at positions (p - W, p] with both rotated at
     their own position, plus sinks (positions < S, outside that window), seen from position min(p, S + W - 1),
     plus (memory tier) per kv head the ``memory_size`` tokens with the highest ``retention`` [B, T, Hkv] score
     (ties: the newer) among those at positions S..p - W, at their true distance.
 
-    q [B, T, H, D] and k [B, T, Hkv, D] not rotated; pos [B, T] with -1 at padding. Returns float64 [B, T, H, D],
-    0 for padding queries.
+    q [B, T, H, D] and k [B, T, Hkv, D] not rotated; pos [B, T] with -1 at padding. ``kv_dtype``: keys (rotated)
+    and values rounded to it, as a cache stored in it holds them. Returns float64 [B, T, H, D], 0 for padding
+    queries.
     """
     B, T, H, D = q.shape
     G = H // k.shape[2]
@@ -215,8 +219,11 @@ def brute_force_window(q, k, v, pos, window, num_sinks, inv_freq, scale, memory_
             kr = rope(k[b, idx], pos[b, idx].unsqueeze(-1).expand(-1, k.shape[2]), inv_freq)  # [n, Hkv, D]
             qr = rope(q[b, t].unsqueeze(0).expand(len(keys), H, D), torch.tensor(qpos).unsqueeze(-1).expand(-1, H),
                       inv_freq)  # [n, H, D]
+            vv = v[b, idx].double()
+            if kv_dtype is not None:
+                kr, vv = kr.float().to(kv_dtype).double(), vv.float().to(kv_dtype).double()
             kr = kr.repeat_interleave(G, dim=1)
-            vv = v[b, idx].double().repeat_interleave(G, dim=1)
+            vv = vv.repeat_interleave(G, dim=1)
             scores = (qr * kr).sum(-1) * scale  # [n, H]
             scores = scores.masked_fill(~seen.repeat_interleave(G, dim=1), float("-inf"))
             out[b, t] = torch.einsum("nh,nhd->hd", torch.softmax(scores, 0), vv)

@@ -99,6 +99,7 @@ def cli_args(teacher, data, output) -> list[str]:
     return ["--teacher", str(teacher), "--data", str(data), "--output", str(output), "--seq-len", "48",
             "--train-windows", "16", "--heldout-windows", "4", "--init-windows", "2", "--num-query-slots", "2",
             "--decay", "learned", "--window-size", "8", "--num-sink-tokens", "1", "--memory-size", "0",
+            "--kv-cache-dtype", "model",
             "--long-seq-len", "96", "--stage1-steps", "4",
             "--stage1-lr", "3e-3", "--stage1-windows", "8", "--stage1-batch-size", "2", "--stage2-steps", "4",
             "--lr", "2e-3", "--batch-size", "2", "--checkpoint-every", "2", "--no-eval", "--no-progress"]

@@ -1,6 +1,7 @@
 # Copyright 2026 The aaren-hf authors. Apache-2.0.
 """Token windows: split by document, packing, EOS handling, determinism, caching, source formats."""
 
+import copy
 import json
 
 import pytest
@@ -89,6 +90,29 @@ def test_bos_option(tokenizer, corpus, tmp_path):
     tokens, offsets, _ = tokenize_documents(tokenizer, corpus, add_bos=True, cache_dir=tmp_path / "cache")
     starts = tokens[offsets[:-1]]
     assert (starts == tokenizer.bos_token_id).all()
+
+
+def test_windows_start_with_the_bos_the_tokenizer_adds(tokenizer, corpus, tmp_path):
+    """A tokenizer that puts BOS before every text (Gemma) gets windows of BOS + seq_len - 1 text tokens; the text is
+    the same stream as without it, and text_tokens gives it back without the BOS."""
+    from tokenizers import processors
+
+    from aaren_hf.conversion.data import leading_bos, text_tokens
+
+    with_bos = copy.deepcopy(tokenizer)
+    bos = with_bos.bos_token_id
+    with_bos.backend_tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    assert leading_bos(with_bos) == bos and leading_bos(tokenizer) is None
+    plain = windows_for(tokenizer, corpus, tmp_path, num_heldout=2)
+    led = windows_for(with_bos, corpus, tmp_path, num_heldout=2)
+    assert led.train.shape[1] == 8 and (led.train[:, 0] == bos).all() and not (led.train[:, 1:] == bos).any()
+    assert led.heldout_documents == plain.heldout_documents
+    assert not (plain.train == bos).any()
+    assert torch.equal(text_tokens(plain.train, tokenizer), plain.train.reshape(-1))
+    stripped = text_tokens(led.train, with_bos)
+    assert stripped.numel() == led.train.numel() - led.train.shape[0] and not (stripped == bos).any()
+    # the same documents' text, only cut at other places
+    assert marker_docs(tokenizer, led.train) == marker_docs(tokenizer, plain.train)
 
 
 def test_deterministic_and_seeded(tokenizer, corpus, tmp_path):

@@ -414,13 +414,14 @@ def test_gemma3_recipe(teacher, monkeypatch):
     from aaren_hf.conversion import assets
     from aaren_hf.conversion.convert import options_from_recipe
     from aaren_hf.conversion.model_card import render_model_card
-    from aaren_hf.conversion.recipes import DEFAULT_MIXER, get_recipe
+    from aaren_hf.conversion.recipes import GEMMA3_MIXER, get_recipe
 
     recipe = get_recipe("gemma3-270m")
     assert recipe.model_type == "gemma3_text" and "Gemma Terms of Use" in recipe.license
     assert "not an OSI licence" in recipe.notes and "base model" in recipe.notes
     cfg = recipe.aaren_config(teacher.config)
-    assert all(getattr(cfg, k) == v for k, v in DEFAULT_MIXER.items())
+    assert all(getattr(cfg, k) == v for k, v in GEMMA3_MIXER.items())
+    assert cfg.kv_cache_dtype is None  # the local layers stay the teacher's, bit for bit
     assert cfg.layer_types.count("linear_attention") == len(GLOBAL)
     assert options_from_recipe("gemma3-270m").long_seq_len == 512
     # offline it resolves to the opt-in package, which says how to install it when missing

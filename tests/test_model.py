@@ -131,11 +131,13 @@ def reference_mixer(mixer, config, x, mask):
         k = _rms(k, mixer.k_norm.weight, config.rms_norm_eps, config.rms_norm_unit_offset)
         q = _rms(q, mixer.q_norm.weight, config.rms_norm_eps, config.rms_norm_unit_offset) if q is not None else None
     if not mixer.aaren_branch and config.sliding_window:  # the teacher's own local attention: window alone
-        win = brute_force_window(q, k, v, pos, config.sliding_window, 0, mixer.rope_inv_freq, scale)
+        win = brute_force_window(q, k, v, pos, config.sliding_window, 0, mixer.rope_inv_freq, scale,
+                                 kv_dtype=mixer.kv_cache_dtype)
         return lin(mixer.o_proj, win.reshape(B, T, H * D))
     if not mixer.aaren_branch:  # a sliding-attention layer: the window branch alone
         win = brute_force_window(q, k, v, pos, config.window_size, config.num_sink_tokens, mixer.rope_inv_freq,
-                                 scale, config.memory_size, mixer.retention_score(x.float(), None))
+                                 scale, config.memory_size, mixer.retention_score(x.float(), None),
+                                 kv_dtype=mixer.kv_cache_dtype)
         return lin(mixer.o_proj, win.reshape(B, T, H * D))
     c = mixer.queries.double()  # [H, J, D]
     k_h = k.repeat_interleave(G, dim=2)  # query head h reads kv head h // G
@@ -162,7 +164,7 @@ def reference_mixer(mixer, config, x, mask):
             s_all = s.float().masked_fill(~mask[:, :, None], 0.0)
             retention = mixer.retention_score(x.float(), s_all)
         win = brute_force_window(q, k, v, pos, config.window_size, config.num_sink_tokens, mixer.rope_inv_freq,
-                                 scale, config.memory_size, retention)
+                                 scale, config.memory_size, retention, kv_dtype=mixer.kv_cache_dtype)
         gate_logit = mixer.window_gate.double() if config.window_gate == "head" else lin(mixer.gate_proj, x)
         gate = torch.sigmoid(gate_logit).unsqueeze(-1)
         o = gate * win + (1 - gate) * o
@@ -271,6 +273,47 @@ def test_memory_size_zero_is_the_model_without_it():
     with_memory.load_state_dict(plain.state_dict(), strict=False)
     with torch.no_grad():
         assert (with_memory(ids).logits - plain(ids).logits).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_kv_cache_dtype_stores_window_and_memory_in_16_bits(dtype):
+    """A float32 model with kv_cache_dtype keeps window, sink and memory keys/values in 16 bits (half their bytes;
+    the Aaren state, positions and scores stay float32), computes on the rounded values on every path (the
+    prefill-vs-decode checks run on the "memory_kv_bf16" case), and moves the output by rounding error only."""
+    base = dict(window_size=3, num_sink_tokens=1, memory_size=3, num_query_slots=2, decay="learned")
+    ids = random_ids(2, 17)
+    full, half = tiny_model(**base), tiny_model(**base, kv_cache_dtype=dtype)
+    half.load_state_dict(full.state_dict())
+    caches = {}
+    with torch.no_grad():
+        for name, model in (("full", full), ("half", half)):
+            caches[name] = AarenCache(model.config)
+            logits = model(ids, past_key_values=caches[name], use_cache=True).logits
+            caches[name + "_logits"] = logits
+    diff = (caches["half_logits"] - caches["full_logits"]).abs().max()
+    assert 0 < diff < 0.05 * caches["full_logits"].abs().max()
+    kv_names = ("window_k", "window_v", "sink_k", "sink_v", "memory_k", "memory_v")
+    kv_bytes = 0
+    for layer in caches["half"].layers:
+        for name, t in layer.tensors().items():
+            want = getattr(torch, dtype) if name in kv_names else (torch.float32 if t.is_floating_point() else t.dtype)
+            assert t.dtype == want, name
+            kv_bytes += t.numel() * t.element_size() if name in kv_names else 0
+    assert kv_bytes > 0 and caches["full"].state_bytes() - caches["half"].state_bytes() == kv_bytes
+
+
+def test_float16_cache_saturates_instead_of_overflowing():
+    model = tiny_model(window_size=3, num_sink_tokens=1, memory_size=2, kv_cache_dtype="float16")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mixer.v_proj.weight.mul_(1e6)
+    ids = random_ids(2, 11)
+    cache = AarenCache(model.config)
+    with torch.no_grad():
+        logits = torch.cat([model(ids[:, :6], past_key_values=cache, use_cache=True).logits,
+                            model(ids[:, 6:], past_key_values=cache, use_cache=True).logits], 1)
+    assert torch.isfinite(logits).all()
+    assert all(torch.isfinite(t).all() for layer in cache.layers for n, t in layer.tensors().items() if "_v" in n)
 
 
 @pytest.mark.parametrize("with_decay", [False, True])
@@ -414,6 +457,7 @@ def test_half_precision_models_keep_fp32_state(dtype):
         (dict(memory_size=4), "memory_size > 0 needs the window branch"),
         (dict(window_size=4, memory_size=-1), "memory_size must be an integer >= 0"),
         (dict(window_size=4, memory_size=2, memory_rule="h2o"), "memory_rule must be one of"),
+        (dict(window_size=4, kv_cache_dtype="int8"), "kv_cache_dtype must be one of"),
         (dict(layer_types=["linear_attention"]), "layer_types must list one of"),
         (dict(layer_types=["linear_attention", "global"]), "layer_types must list one of"),
         (dict(layer_types=["linear_attention", "sliding_attention"]), "'sliding_attention' layer is the window branch alone"),
