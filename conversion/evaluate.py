@@ -566,7 +566,7 @@ def recall_probe(model, tokenizer, distances: Sequence[int] = DEFAULT_RECALL_DIS
     "n_trials", "seed", "results": [{"distance", "key_to_answer", "length", "accuracy", "token_accuracy",
     "key_logprob", "skipped"}]}``; scores in [0, 1] (``key_logprob`` <= 0).
     """
-    from .recall import EVAL_WORDINGS
+    from .recall import EVAL_WORDINGS, start_ids
 
     if wording not in EVAL_WORDINGS:
         raise ValueError(f"unknown wording {wording!r}; the evaluation wordings are {', '.join(EVAL_WORDINGS)}")
@@ -586,6 +586,7 @@ def recall_probe(model, tokenizer, distances: Sequence[int] = DEFAULT_RECALL_DIS
     intro = _ids(tokenizer, template.intro)
     if len(intro) < sinks + 1:  # keep the key out of the sinks
         intro = (filler * (sinks // len(filler) + 2))[: sinks + 1 - len(intro)] + intro
+    intro = start_ids(tokenizer) + intro
     trials = _recall_trials(tokenizer, template, random.Random(seed), n_trials, key_format, key_digits, len(filler))
 
     results = []

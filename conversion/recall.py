@@ -130,6 +130,15 @@ def _ids(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
 
 
+def start_ids(tokenizer) -> list[int]:
+    """What every sequence starts with: the BOS where the tokenizer puts one before any text (Gemma), else nothing;
+    the same start as the text windows (data.load_token_windows)."""
+    from .data import leading_bos
+
+    bos = leading_bos(tokenizer)
+    return [] if bos is None else [bos]
+
+
 def _filler_stream(filler_windows, tokenizer) -> list[int]:
     from .data import text_tokens
 
@@ -206,7 +215,7 @@ def make_recall_windows(tokenizer, filler_windows, n: int, seq_len: int, window:
             if key not in keys:
                 keys.append(key)
         items = [_item(tokenizer, template, key, name) for key, name in zip(keys, names)]
-        intro = _ids(tokenizer, template.intro)
+        intro = start_ids(tokenizer) + _ids(tokenizer, template.intro)
         # small filler before and between statements and between questions; the rest is the gap and the tail
         head = rng.randint(4, 32)
         spacing = [rng.randint(8, 64) for _ in range(2 * k - 2)]

@@ -447,6 +447,18 @@ def test_cli_bad_arguments(args, message, capsys):
     assert message in err
 
 
+def test_cli_kv_cache_dtype():
+    """The recipe stores window/memory keys/values in bfloat16; --kv-cache-dtype model keeps the model's dtype."""
+    from aaren_hf.conversion.cli import convert_parser, options_from_args
+
+    parser = convert_parser()
+    for flag, want in ((None, "bfloat16"), ("model", None), ("float16", "float16")):
+        argv = ["--recipe", "smollm2-135m"] + (["--kv-cache-dtype", flag] if flag else [])
+        assert options_from_args(parser.parse_args(argv), parser).mixer["kv_cache_dtype"] == want
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--recipe", "smollm2-135m", "--kv-cache-dtype", "int8"])
+
+
 def test_cli_errors_say_what_to_do(tiny, tmp_path, capsys):
     teacher, data = tiny
     code, _, err = run_cli(["--teacher", str(teacher), "--data", str(data), "--output", str(tmp_path / "o"),

@@ -113,6 +113,12 @@ def test_windows_start_with_the_bos_the_tokenizer_adds(tokenizer, corpus, tmp_pa
     assert stripped.numel() == led.train.numel() - led.train.shape[0] and not (stripped == bos).any()
     # the same documents' text, only cut at other places
     assert marker_docs(tokenizer, led.train) == marker_docs(tokenizer, plain.train)
+    # recall exercises start the same way, and their filler carries no BOS
+    from aaren_hf.conversion.recall import make_recall_windows
+
+    recall = make_recall_windows(with_bos, led.train, 3, 60, 4, seed=0, min_multiple=2, max_multiple=4)
+    assert (recall[:, 0] == bos).all() and not (recall[:, 1:] == bos).any()
+    assert not (make_recall_windows(tokenizer, plain.train, 3, 60, 4, seed=0, min_multiple=2) == bos).any()
 
 
 def test_deterministic_and_seeded(tokenizer, corpus, tmp_path):

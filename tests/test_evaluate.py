@@ -418,6 +418,25 @@ def test_recall_probe_classic_wording_unchanged(teacher, tokenizer, windows):
             f" The pass key is {key}. Remember it.\n{stretch}\nWhat is the pass key? The pass key is {key}")
 
 
+def test_recall_probe_starts_with_the_tokenizers_bos(teacher, tokenizer, windows):
+    """A tokenizer that puts BOS before every text (Gemma) gets it at the start of every probe, as the text windows
+    have it; without one (above) the probe is unchanged."""
+    import copy
+
+    from tokenizers import processors
+
+    with_bos = copy.deepcopy(tokenizer)
+    with_bos.add_special_tokens({"bos_token": "<|bos|>"})
+    bos = with_bos.bos_token_id
+    with_bos.backend_tokenizer.post_processor = processors.TemplateProcessing(single="<|bos|> $A",
+                                                                             special_tokens=[("<|bos|>", bos)])
+    recorder, plain = Recorder(teacher.config, sinks=1), Recorder(teacher.config, sinks=1)
+    ev.recall_probe(recorder, with_bos, (12,), n_trials=2, seed=7, filler_ids=windows)
+    ev.recall_probe(plain, tokenizer, (12,), n_trials=2, seed=7, filler_ids=windows)
+    for seq, plain_seq in zip(recorder.seen, plain.seen):
+        assert seq[0] == bos and bos not in seq[1:] and seq[1:] == plain_seq
+
+
 def test_recall_probe_batches_and_wordings(teacher, tokenizer, windows):
     one = ev.recall_probe(teacher, tokenizer, (6, 20), n_trials=5, seed=2, filler_ids=windows, batch_size=1)
     many = ev.recall_probe(teacher, tokenizer, (6, 20), n_trials=5, seed=2, filler_ids=windows, batch_size=3)

@@ -431,3 +431,4 @@ def test_gemma3_recipe(teacher, monkeypatch):
     card = render_model_card({"teacher": "google/gemma-3-270m", "student_config": cfg.to_dict()}, None)
     assert "license: gemma" in card and "Gemma Terms of Use" in card and "not an OSI" in card
     assert "local sliding-window layers are kept" in card and "layers [0, 1, 3, 4] kept" in card
+    assert "exact memory of 32 tokens per key/value head" in card and "stored in the model dtype" in card
