@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from aaren_hf import AarenCache, AarenConfig
 from aaren_hf.aaren_scan import chunk_aaren_torch, recurrent_aaren_torch
 from aaren_hf.configuration_aaren import AAREN_FORMAT_VERSION
-from aaren_hf.modeling_aaren import AarenLayerState
+from aaren_hf.modeling_aaren import AarenLayerState, AarenMixer
 from helpers import (
     MIXER_CASES,
     brute_force_aaren,
@@ -31,8 +31,11 @@ ATOL = 1e-4
 
 
 @pytest.mark.parametrize("case", list(MIXER_CASES))
-def test_parallel_equals_incremental(case):
+def test_parallel_equals_incremental(case, monkeypatch):
     ids = random_ids(2, 15, seed=1)  # odd length; longer than every window in MIXER_CASES
+    steps = []  # single tokens after the window has filled take the decode step (window_step)
+    window_step = AarenMixer.window_step
+    monkeypatch.setattr(AarenMixer, "window_step", lambda *args: steps.append(1) or window_step(*args))
     reference = None
     for chunk_size in (1, 3, 64):
         model = tiny_model(seed=0, chunk_size=chunk_size, **MIXER_CASES[case])
@@ -51,6 +54,7 @@ def test_parallel_equals_incremental(case):
         with torch.no_grad():  # causal: a prefix gives the prefix's logits
             torch.testing.assert_close(model(ids[:, :3]).logits, full[:, :3], atol=ATOL, rtol=0)
 
+    assert bool(steps) == bool(MIXER_CASES[case].get("window_size"))
     # The tolerance has teeth: the first token still moves the last logits by far more than ATOL.
     changed = ids.clone()
     changed[:, 0] = (changed[:, 0] + 1) % 63 + 1
@@ -68,8 +72,9 @@ def test_decode_step_equals_general_path(case, kv_cache_dtype, monkeypatch):
     sinks, memory (entries, slot order, positions, scores, even the empty slots), Aaren state.
 
     Left padding: row 1 starts after its window has filled with padding, so its first tokens become sinks inside
-    the step; row 2 is padding until the last few tokens. Retention scores of kv head 0 all tie (a zero projection,
-    as initialised), so every step tests the tie rule (the newer wins); the other heads rank by random scores."""
+    the step; row 2 is padding until the last few tokens. Retention scores of kv head 0 all tie (zero projection
+    weights, as initialised), so every step tests the tie rule (the newer wins); the other heads rank by random
+    scores."""
     import aaren_hf.modeling_aaren as modeling
 
     model = tiny_model(**{"kv_cache_dtype": kv_cache_dtype, **MIXER_CASES[case]})
@@ -85,7 +90,7 @@ def test_decode_step_equals_general_path(case, kv_cache_dtype, monkeypatch):
             return fn(*args, **kwargs)
         return wrapper
 
-    monkeypatch.setattr(modeling.AarenMixer, "window_step", counted("window", modeling.AarenMixer.window_step))
+    monkeypatch.setattr(AarenMixer, "window_step", counted("window", AarenMixer.window_step))
     monkeypatch.setattr(modeling, "aaren_step", counted("aaren", modeling.aaren_step))
     B, T, prompt = 3, 19, 2
     x = torch.randn(B, T, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
