@@ -39,15 +39,13 @@ def empty_state(batch: int, heads: int, head_dim: int, device=None) -> State:
 def merge_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor) -> State:
     """Combine two disjoint sets of tokens given as (mean value, log normaliser). Empty sets have lse = -inf."""
     m = torch.maximum(lse_a, lse_b).detach()
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # both empty: avoid -inf - -inf
-    w_a = torch.exp(lse_a - m)
-    w_b = torch.exp(lse_b - m)
-    w = w_a + w_b
-    nonempty = w > 0
-    w_safe = torch.where(nonempty, w, torch.ones_like(w))
-    o = (w_a.unsqueeze(-1) * o_a + w_b.unsqueeze(-1) * o_b) / w_safe.unsqueeze(-1)
-    lse = torch.where(nonempty, m + torch.log(w_safe), torch.full_like(w, float("-inf")))
-    return o, lse
+    m_safe = m.clamp(min=torch.finfo(m.dtype).min)  # both empty: weights exp(-inf - finite) = 0, not -inf - -inf
+    w_a = torch.exp(lse_a - m_safe)
+    w_b = torch.exp(lse_b - m_safe)
+    # the larger side weighs exp(0) = 1, so w >= 1 unless both are empty (w = 0: divide by 1, lse = m = -inf)
+    w = (w_a + w_b).clamp(min=1.0)
+    o = (w_a.unsqueeze(-1) * o_a + w_b.unsqueeze(-1) * o_b) / w.unsqueeze(-1)
+    return o, m + torch.log(w)
 
 
 def aaren_step(state: State, s: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor] = None):

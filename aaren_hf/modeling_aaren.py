@@ -24,7 +24,7 @@ from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from .aaren_scan import chunk_aaren_torch, empty_state, recurrent_aaren_torch
+from .aaren_scan import aaren_step, chunk_aaren_torch, empty_state, recurrent_aaren_torch
 from .configuration_aaren import AarenConfig
 
 try:  # Triton kernels on CUDA, when this package is installed; the PyTorch ops above serve everywhere else.
@@ -223,16 +223,25 @@ class AarenMLP(nn.Module):
 
 def rotate(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """Rotary embedding (rotate-half convention) on the first 2 * len(inv_freq) channels. x [B, T, h, D], pos [B, T]."""
-    rot = 2 * inv_freq.shape[0]
-    if rot == 0:
+    if inv_freq.shape[0] == 0:
         return x
-    angles = pos.float().unsqueeze(-1) * inv_freq.float()  # [B, T, rot/2]
-    cos = torch.cat([angles.cos(), angles.cos()], -1).unsqueeze(2)
-    sin = torch.cat([angles.sin(), angles.sin()], -1).unsqueeze(2)
+    return rotate_by(x, *rotary_angles(pos, inv_freq))
+
+
+def rotary_angles(pos: torch.Tensor, inv_freq: torch.Tensor):
+    """(cos, sin) [B, T, 1, 2 * len(inv_freq)] of the rotary angles at positions pos [B, T]."""
+    angles = pos.float().unsqueeze(-1) * inv_freq.float()
+    angles = torch.cat([angles, angles], -1).unsqueeze(2)
+    return angles.cos(), angles.sin()
+
+
+def rotate_by(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """:func:`rotate` with the angles' cos and sin from :func:`rotary_angles`."""
+    rot = cos.shape[-1]
     xr, xp = x[..., :rot].float(), x[..., rot:]
     x1, x2 = xr[..., : rot // 2], xr[..., rot // 2 :]
-    rotated = xr * cos + torch.cat([-x2, x1], -1) * sin
-    return torch.cat([rotated.to(x.dtype), xp], -1)
+    rotated = (xr * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
+    return rotated if rot == x.shape[-1] else torch.cat([rotated, xp], -1)
 
 
 def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sink_pos, window, inv_freq, scale,
@@ -515,17 +524,25 @@ class AarenMixer(nn.Module):
         scan), slots mixed by the real query."""
         B, T, Hkv, D = v.shape
         H, J = self.num_heads, self.num_slots
-        vv = v.unsqueeze(3).expand(B, T, Hkv, H // Hkv * J, D).reshape(B, T, H * J, D)
         g = None
         if self.decay != "none":
             g = self.log_decay_per_token(x).masked_fill(~mask.unsqueeze(-1), 0.0)
         carried = None
         if state is not None and state.aaren_o is not None:
             carried = (state.aaren_o, state.aaren_lse)
-        if T == 1 and state is not None:
-            o, final = fused_recurrent_aaren(s, vv, g, carried, True)
+        if T == 1 and carried is not None and not v.is_cuda and not torch.is_grad_enabled():
+            # decoding on the CPU, where a step costs its number of ops: the scan's step applied to the state, each
+            # kv head broadcast over its query heads and slots rather than copied to them
+            heads = (B, Hkv, -1)
+            o, (o_state, lse) = aaren_step((carried[0].view(*heads, D), carried[1].view(heads)), s.view(heads),
+                                           v.view(B, Hkv, 1, D), None if g is None else g.view(heads))
+            o, final = o.to(v.dtype), (o_state.view(B, H * J, D), lse.view(B, H * J))
         else:
-            o, final = chunk_aaren(s, vv, g, carried, state is not None, chunk_size=self.chunk_size)
+            vv = v.unsqueeze(3).expand(B, T, Hkv, H // Hkv * J, D).reshape(B, T, H * J, D)
+            if T == 1 and state is not None:
+                o, final = fused_recurrent_aaren(s, vv, g, carried, True)
+            else:
+                o, final = chunk_aaren(s, vv, g, carried, state is not None, chunk_size=self.chunk_size)
         if state is not None:
             state.aaren_o, state.aaren_lse = final
         o = o.view(B, T, H, J, D)
@@ -557,6 +574,8 @@ class AarenMixer(nn.Module):
 
     def window_branch(self, q, k, v, pos, state, retention=None):
         B, T, Hkv, D = k.shape
+        if self.steps_one_token(state, T):
+            return self.window_step(q, k, v, pos, state, retention)
         # every path (training, prefill, decoding) computes on the keys/values as the cache stores them
         k = round_to_cache(rotate(k, pos.clamp(min=0), self.rope_inv_freq), self.kv_cache_dtype)
         v = round_to_cache(v, self.kv_cache_dtype)
@@ -597,6 +616,95 @@ class AarenMixer(nn.Module):
                 self.keep_memory(state, candidates, stored)
         return out
 
+    def steps_one_token(self, state, T):
+        """Whether :meth:`window_step` serves this call: one token, no gradient (inference), and a carried window
+        already holding its W - 1 entries (it is shorter only for the first W - 1 tokens, padding included)."""
+        return (T == 1 and self.window > 1 and state is not None and state.window_k is not None
+                and state.window_k.shape[1] == self.window - 1 and not torch.is_grad_enabled())
+
+    def window_step(self, q, k, v, pos, state, retention=None):
+        """:meth:`window_branch` for one token once the window is full (decoding), in far fewer ops: one softmax over
+        [window, token, sinks, memory], the window shifted by one, and the entry leaving it offered to the memory.
+        Same outputs (to float rounding) and the same state as the general path, which the tests check against this
+        one."""
+        B, _, Hkv, D = k.shape
+        H, W, S, M = self.num_heads, self.window, self.num_sinks, self.memory_size
+        G, p = H // Hkv, pos[:, 0]
+        stored = state.window_k.dtype
+        # Rare cases, checked on the host (the general path syncs too): a padding token, or one so early (after left
+        # padding) that it fills a sink slot or still has the sinks in its window.
+        lowest = int(p.min())
+        early = S > 0 and lowest < S + W - 1
+        # q and k rotated together at the token's position (the key's angles computed as window_branch computes
+        # them, so that it is stored bit for bit the same); second row: q where the sinks are seen from
+        cos, sin = rotary_angles(pos.clamp(min=0), self.rope_inv_freq)
+        qk = torch.cat([q, k], 2)
+        if S > 0:
+            cos_sink, sin_sink = rotary_angles(pos.clamp(min=0, max=S + W - 1), self.rope_inv_freq)
+            cos, sin = torch.cat([cos, cos_sink], 1), torch.cat([sin, sin_sink], 1)
+            qk = qk.expand(B, 2, H + Hkv, D)
+        qk = rotate_by(qk, cos, sin)
+        k = round_to_cache(qk[:, :1, H:], self.kv_cache_dtype).to(stored)
+        v = round_to_cache(v, self.kv_cache_dtype).to(stored)
+        win_k, win_v = torch.cat([state.window_k, k], 1), torch.cat([state.window_v, v], 1)  # [B, W, Hkv, D]
+        win_pos = torch.cat([state.window_pos, pos], 1)
+        sink_k, sink_v, sink_pos = state.sink_k, state.sink_v, state.sink_pos
+        seen_sink_pos = sink_pos
+        if early:
+            is_sink = torch.arange(S, device=p.device) == p.unsqueeze(1)  # [B, S]
+            sink_k = torch.where(is_sink.view(B, S, 1, 1), k, sink_k)
+            sink_v = torch.where(is_sink.view(B, S, 1, 1), v, sink_v)
+            sink_pos = torch.where(is_sink, p.unsqueeze(1), sink_pos)
+            seen_sink_pos = sink_pos.masked_fill(sink_pos > p.unsqueeze(1) - W, -1)  # still inside the window
+        # Visible: every key with a position >= 0 (-1: padding, an empty slot). Every memory entry is among the M
+        # best of the tokens that have left the window, as the query needs.
+        key_pos = torch.cat([win_pos, seen_sink_pos], 1).unsqueeze(1).expand(B, Hkv, W + S)
+        keys, values = [win_k.transpose(1, 2), sink_k.transpose(1, 2)], [win_v.transpose(1, 2), sink_v.transpose(1, 2)]
+        if M > 0:
+            keys.append(state.memory_k)
+            values.append(state.memory_v)
+            key_pos = torch.cat([key_pos, state.memory_pos], 2)
+        keys = torch.cat(keys, 2).float()  # [B, Hkv, W + S + M, D]
+        scores = torch.matmul(qk[:, 0, :H].float().view(B, Hkv, G, D), keys.transpose(2, 3))
+        if S > 0:
+            sink_q = qk[:, 1, :H].float().view(B, Hkv, G, D)
+            scores[..., W : W + S] = torch.matmul(sink_q, keys[:, :, W : W + S].transpose(2, 3))
+        scores = (scores * self.scale).masked_fill((key_pos < 0).unsqueeze(2), torch.finfo(torch.float32).min)
+        out = torch.matmul(torch.softmax(scores, -1), torch.cat(values, 2).float()).view(B, 1, H, D)
+        if lowest < 0:  # a padding token sees nothing
+            out = out.masked_fill((p < 0).view(B, 1, 1, 1), 0.0)
+
+        if M > 0:
+            self.offer_to_memory(state, stored)
+            state.window_score = torch.cat([state.window_score, retention], 1)[:, 1:]
+        state.window_k, state.window_v, state.window_pos = win_k[:, 1:], win_v[:, 1:], win_pos[:, 1:]
+        state.sink_k, state.sink_v, state.sink_pos = sink_k, sink_v, sink_pos
+        return out.to(q.dtype)
+
+    def offer_to_memory(self, state, stored: torch.dtype):
+        """The oldest window entry leaves the window (the step of :meth:`window_step`): it enters the memory if it
+        ranks among the M best of the tokens that have left (memory_visibility's rule), i.e. if a slot is empty or
+        it beats the weakest entry, which it then evicts. It is newer than every entry, so it wins ties."""
+        M, S = self.memory_size, self.num_sinks
+        mem_pos, mem_score = state.memory_pos, state.memory_score  # [B, Hkv, M]
+        B, Hkv = mem_pos.shape[:2]
+        out_pos = state.window_pos[:, :1].unsqueeze(1).expand(B, Hkv, 1)
+        out_score = state.window_score[:, :1].transpose(1, 2)  # [B, Hkv, 1]
+        low = mem_score.amin(-1, keepdim=True)  # -inf while a slot is empty
+        enters = (out_pos >= S) & (out_score >= low)
+        if not bool(enters.any()):  # once the memory is full, most tokens leave without entering it
+            return
+        # the weakest: lowest score, then oldest (an empty slot while there is one: position -1, not real)
+        weakest = mem_pos.masked_fill(mem_score != low, torch.iinfo(mem_pos.dtype).max).amin(-1, keepdim=True)
+        stays = (mem_pos >= S) & ~(enters & (mem_pos == weakest))
+        candidates = {
+            "k": torch.cat([state.memory_k, state.window_k[:, :1].transpose(1, 2)], 2),
+            "v": torch.cat([state.memory_v, state.window_v[:, :1].transpose(1, 2)], 2),
+            "pos": torch.cat([mem_pos, out_pos], 2), "score": torch.cat([mem_score, out_score], 2),
+            "keep": torch.cat([stays, enters], 2),
+        }
+        self.keep_memory(state, candidates, stored)
+
     def memory_candidates(self, k, v, pos, retention, k_prev, v_prev, pos_prev, state):
         """The memory tier's candidates (memory held + window entries held + this call's tokens) and what each query
         sees of them (:func:`memory_visibility`). k is rotated; keys/values come back as [B, Hkv, C, D]."""
@@ -636,9 +744,11 @@ class AarenMixer(nn.Module):
                 candidates[name] = F.pad(t, widths, value=value)
         idx = torch.sort((~keep).to(torch.uint8), dim=-1, stable=True).indices[..., :M]  # kept ones first
         kept = keep.gather(2, idx)
-        D = candidates["k"].shape[-1]
-        state.memory_k = candidates["k"].gather(2, idx.unsqueeze(-1).expand(B, Hkv, M, D)).detach().to(stored)
-        state.memory_v = candidates["v"].gather(2, idx.unsqueeze(-1).expand(B, Hkv, M, D)).detach().to(stored)
+        C, D = candidates["k"].shape[2:]
+        # keys and values move as whole rows of [B * Hkv * C, D]: index_select copies rows, far faster than a gather
+        rows = (idx + torch.arange(0, B * Hkv * C, C, device=idx.device).view(B, Hkv, 1)).flatten()
+        state.memory_k, state.memory_v = (
+            candidates[n].detach().reshape(-1, D).index_select(0, rows).view(B, Hkv, M, D).to(stored) for n in "kv")
         state.memory_pos = candidates["pos"].gather(2, idx).masked_fill(~kept, -1)
         state.memory_score = candidates["score"].gather(2, idx).masked_fill(~kept, float("-inf"))
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from aaren_hf import AarenCache, AarenConfig
 from aaren_hf.aaren_scan import chunk_aaren_torch, recurrent_aaren_torch
 from aaren_hf.configuration_aaren import AAREN_FORMAT_VERSION
-from aaren_hf.modeling_aaren import AarenLayerState
+from aaren_hf.modeling_aaren import AarenLayerState, AarenMixer
 from helpers import (
     MIXER_CASES,
     brute_force_aaren,
@@ -31,8 +31,11 @@ ATOL = 1e-4
 
 
 @pytest.mark.parametrize("case", list(MIXER_CASES))
-def test_parallel_equals_incremental(case):
+def test_parallel_equals_incremental(case, monkeypatch):
     ids = random_ids(2, 15, seed=1)  # odd length; longer than every window in MIXER_CASES
+    steps = []  # single tokens after the window has filled take the decode step (window_step)
+    window_step = AarenMixer.window_step
+    monkeypatch.setattr(AarenMixer, "window_step", lambda *args: steps.append(1) or window_step(*args))
     reference = None
     for chunk_size in (1, 3, 64):
         model = tiny_model(seed=0, chunk_size=chunk_size, **MIXER_CASES[case])
@@ -51,12 +54,65 @@ def test_parallel_equals_incremental(case):
         with torch.no_grad():  # causal: a prefix gives the prefix's logits
             torch.testing.assert_close(model(ids[:, :3]).logits, full[:, :3], atol=ATOL, rtol=0)
 
+    assert bool(steps) == bool(MIXER_CASES[case].get("window_size"))
     # The tolerance has teeth: the first token still moves the last logits by far more than ATOL.
     changed = ids.clone()
     changed[:, 0] = (changed[:, 0] + 1) % 63 + 1
     with torch.no_grad():
         moved = (model(changed).logits[:, -1] - full[:, -1]).abs().max()
     assert moved > 100 * ATOL
+
+
+@pytest.mark.parametrize("kv_cache_dtype", [None, "bfloat16"])
+@pytest.mark.parametrize("case", [c for c, kw in MIXER_CASES.items() if kw.get("window_size")])
+def test_decode_step_equals_general_path(case, kv_cache_dtype, monkeypatch):
+    """Every mixer fed the same inputs token by token twice: the one-token decode step (window_step and the Aaren
+    step, taken on their own once the window is full and no gradient is needed) and the general path (forced by
+    enabling gradients). Same outputs to float rounding, and after every step bit for bit the same state: window,
+    sinks, memory (entries, slot order, positions, scores, even the empty slots), Aaren state.
+
+    Left padding: row 1 starts after its window has filled with padding, so its first tokens become sinks inside
+    the step; row 2 is padding until the last few tokens. Retention scores of kv head 0 all tie (zero projection
+    weights, as initialised), so every step tests the tie rule (the newer wins); the other heads rank by random
+    scores."""
+    import aaren_hf.modeling_aaren as modeling
+
+    model = tiny_model(**{"kv_cache_dtype": kv_cache_dtype, **MIXER_CASES[case]})
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if hasattr(layer.mixer, "retention_proj"):
+                layer.mixer.retention_proj.weight[0] = 0.0
+    calls = {"window": 0, "aaren": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(AarenMixer, "window_step", counted("window", AarenMixer.window_step))
+    monkeypatch.setattr(modeling, "aaren_step", counted("aaren", modeling.aaren_step))
+    B, T, prompt = 3, 19, 2
+    x = torch.randn(B, T, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[1, :7], mask[2, :15] = False, False
+    pos = (mask.long().cumsum(1) - 1).masked_fill(~mask, -1)
+    for layer in model.model.layers:
+        mixer, fast, general = layer.mixer, AarenLayerState(), AarenLayerState()
+        calls.update(window=0, aaren=0)
+        for t in [slice(0, prompt)] + [slice(i, i + 1) for i in range(prompt, T)]:
+            with torch.no_grad():
+                out = mixer(x[:, t], mask[:, t], pos[:, t], fast)
+            with torch.enable_grad():
+                want = mixer(x[:, t], mask[:, t], pos[:, t], general).detach()
+            torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-5, msg=lambda m: f"{t}: {m}")
+            want_state = {n: s.detach() for n, s in general.tensors().items()}
+            assert fast.tensors().keys() == want_state.keys()
+            for name, tensor in fast.tensors().items():
+                assert torch.equal(tensor, want_state[name]), f"layer {mixer.layer_idx}, {t}: {name}"
+        steps = T - prompt
+        assert calls["window"] == steps - max(0, mixer.window - 1 - prompt)  # every step once the window is full
+        assert calls["aaren"] == (steps if mixer.aaren_branch else 0)
 
 
 @pytest.mark.parametrize("case", ["paper", "everything", "memory_gate_input_decay"])
