@@ -40,6 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .recall import _ids
+
 __all__ = [
     "StreamingLLMBaseline",
     "aaren_state_bytes",
@@ -519,10 +521,6 @@ def _max_positions(model) -> Optional[int]:
         if isinstance(value, int) and value > 0:
             return value
     return None
-
-
-def _ids(tokenizer, text: str) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def _sinks_of(model) -> int:
