@@ -201,6 +201,7 @@ def make_recall_windows(tokenizer, filler_windows, n: int, seq_len: int, window:
     for f in key_formats:
         make_key(random.Random(0), f)  # unknown formats fail here, before any work
     stream = _filler_stream(filler_windows, tokenizer)
+    start = start_ids(tokenizer)
     rng = random.Random(seed)
     lo = max(1, int(round(min_multiple * window)))
     rows, infos = [], []
@@ -215,7 +216,7 @@ def make_recall_windows(tokenizer, filler_windows, n: int, seq_len: int, window:
             if key not in keys:
                 keys.append(key)
         items = [_item(tokenizer, template, key, name) for key, name in zip(keys, names)]
-        intro = start_ids(tokenizer) + _ids(tokenizer, template.intro)
+        intro = start + _ids(tokenizer, template.intro)
         # small filler before and between statements and between questions; the rest is the gap and the tail
         head = rng.randint(4, 32)
         spacing = [rng.randint(8, 64) for _ in range(2 * k - 2)]
