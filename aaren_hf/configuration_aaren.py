@@ -12,7 +12,8 @@ MEMORY_RULES = ("learned", "aaren")
 LAYER_TYPES = ("linear_attention", "sliding_attention")
 KV_CACHE_DTYPES = (None, "bfloat16", "float16")
 # Bumped when a checkpoint's meaning changes; code refuses checkpoints from a newer format instead of misreading them.
-AAREN_FORMAT_VERSION = 1
+# 2: kv_cache_dtype (code without it would silently keep the window and memory at full precision).
+AAREN_FORMAT_VERSION = 2
 
 
 class AarenConfig(PreTrainedConfig):

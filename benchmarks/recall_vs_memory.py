@@ -1,5 +1,5 @@
 # Copyright 2026 The aaren-hf authors. Apache-2.0.
-"""Passkey recall against memory size: how many retained tokens a rule needs before a 5-digit key survives.
+"""Passkey recall and long-context perplexity against memory size: what each retained token per KV head buys.
 
 For each memory size M (tokens per KV head, beside 1 sink and the student's window), on the same trials:
 
@@ -15,8 +15,17 @@ For each memory size M (tokens per KV head, beside 1 sink and the student's wind
 The teacher with its full KV cache is the ceiling. Everything is teacher-forced greedy exact match, as in
 ``aaren-convert eval`` (:func:`aaren_hf.conversion.evaluate.recall_probe`), with held-out text as filler.
 
+``--ranks`` says where the memory loses a key: for the student at its own M, per layer, the rank its retention
+score gives the key's worst-placed token among the tokens beyond the window when the question is asked (best KV
+head; median over the trials). The key survives in that layer iff the rank is below M.
+
+``--perplexity N`` adds the quality side of the same curve: for each M, the student's state per sequence and its
+perplexity on N held-out windows of ``--long-seq-len`` tokens (the run's own held-out documents, as ``aaren-convert
+eval`` cuts them), beside the teacher and the teacher with a StreamingLLM cache of the same bytes (keys/values
+counted in the student's dtype).
+
     .venv/bin/python -P benchmarks/recall_vs_memory.py --model outputs/SmolLM2-135M-Instruct-aaren \
-        --memory-sizes 32,128,512 --distances 1000,2000 --trials 10
+        --memory-sizes 32,128,512 --distances 1000,2000 --trials 10 --perplexity 4
 """
 
 from __future__ import annotations
@@ -55,16 +64,73 @@ def _learned_retention_teacher(teacher, student_dir: Path, mixer: dict, memory: 
     return model
 
 
+@torch.no_grad()
+def key_ranks(model, tokenizer, filler: list, distances: list, trials: int, seed: int) -> dict:
+    """{distance: [median rank per layer]}: the retention rank of the key's worst-placed letter/digit token at the
+    last token of the question (0 = kept first), on the same passkey trials as ``recall_probe`` (wording
+    "passkey", 5 digits). Layers without a memory get None."""
+    import random
+
+    from aaren_hf.conversion.evaluate import _ids, _recall_sequences, _recall_trials, _sinks_of
+    from aaren_hf.conversion.recall import EVAL_WORDINGS, start_ids
+
+    template = EVAL_WORDINGS["passkey"]
+    sinks = _sinks_of(model)
+    intro = _ids(tokenizer, template.intro)
+    if len(intro) < sinks + 1:  # as recall_probe places the key: never in a sink
+        intro = (filler * (sinks // len(filler) + 2))[: sinks + 1 - len(intro)] + intro
+    intro = start_ids(tokenizer) + intro
+    drawn = _recall_trials(tokenizer, template, random.Random(seed), trials, "digits", 5, len(filler))
+    mixers = [layer.mixer for layer in model.model.layers]
+    scores = {}
+    for i, mixer in enumerate(mixers):
+        if mixer.memory_size > 0:
+            def record(x, aaren_scores, i=i, score=mixer.retention_score):
+                scores[i] = score(x, aaren_scores)
+                return scores[i]
+            mixer.retention_score = record  # this instance only: the model is discarded after the benchmark
+    out = {}
+    for distance in distances:
+        ranks = {i: [] for i, mixer in enumerate(mixers) if mixer.memory_size > 0}
+        row = {"key_to_answer": None, "length": None, "skipped": None}
+        built = _recall_sequences(tokenizer, drawn, intro, filler, distance, None, row)
+        for (seq, n_context, _), (_, before_key, key_ids, _, _) in zip(built, drawn):
+            start = len(intro) + len(before_key)
+            key = [start + j for j, t in enumerate(key_ids) if any(c.isalnum() for c in tokenizer.decode([t]))]
+            model(input_ids=torch.tensor([seq[:n_context]]), use_cache=False, logits_to_keep=1)
+            for i, score in scores.items():
+                mixer = mixers[i]
+                last = n_context - 1
+                pos = torch.arange(mixer.num_sinks, last - mixer.window + 1)  # what has left the window
+                cand = score[0, pos]  # [candidates, Hkv], rounded as the model ranks them
+                worst = []
+                for h in range(cand.shape[1]):
+                    c = cand[:, h]
+                    worst.append(max(int(((c > c[p - pos[0]]) | ((c == c[p - pos[0]]) & (pos > p))).sum())
+                                     for p in key))
+                ranks[i].append(min(worst))
+        out[distance] = [int(torch.tensor(ranks[i]).median()) if i in ranks else None for i in range(len(mixers))]
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="a converted model folder with a memory tier")
     parser.add_argument("--memory-sizes", type=_ints, default=[32, 128, 512])
     parser.add_argument("--distances", type=_ints, default=[1000, 2000], help="filler tokens between key and question")
-    parser.add_argument("--trials", type=int, default=10)
+    parser.add_argument("--trials", type=int, default=10, help="passkey trials per distance (0: perplexity only)")
     parser.add_argument("--rows", default="tova,learned,student", help="which rows besides the teacher")
+    parser.add_argument("--perplexity", type=int, default=0, metavar="N",
+                        help="also score N held-out windows of --long-seq-len tokens at each M (0: recall only)")
+    parser.add_argument("--long-seq-len", type=int, default=2048)
+    parser.add_argument("--ranks", action="store_true", help="also print where each layer ranks the key (see above)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
+    if args.perplexity < 0 or args.trials < 0 or args.long_seq_len < 2:
+        parser.error("--perplexity and --trials must be >= 0 and --long-seq-len >= 2")
+    if not (args.perplexity or args.trials or args.ranks):
+        parser.error("nothing to measure: give --trials > 0, --perplexity > 0 or --ranks")
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -73,7 +139,8 @@ def main() -> None:
     import aaren_hf  # noqa: F401
     from aaren_hf.conversion.convert import load_teacher, resolve_teacher
     from aaren_hf.conversion.data import load_token_windows, text_tokens
-    from aaren_hf.conversion.evaluate import recall_probe
+    from aaren_hf.conversion.evaluate import (_kv_dtype, equal_memory_window, format_bytes, long_heldout_windows,
+                                              perplexity, recall_probe, streaming_llm_baseline)
     from aaren_hf.conversion.retention_baseline import retention_baseline
 
     model_dir = Path(args.model)
@@ -99,25 +166,64 @@ def main() -> None:
         print(f"| {name} | {memory if memory is not None else 'all'} | {cells} |", flush=True)
         return result
 
-    print(f"passkey, 5 digits, {args.trials} trials per distance, S={sinks} W={window}; cells: exact match "
-          "(fraction of key tokens right)\n")
-    print("| model | M | " + " | ".join(f"{d} back" for d in args.distances) + " |")
-    print("|---|---|" + "---|" * len(args.distances))
-    results = [probe("teacher (full KV cache)", teacher, None)]
-    for memory in args.memory_sizes:
-        if "tova" in rows:
-            results.append(probe("teacher + TOVA", retention_baseline(teacher, sinks, window, memory), memory))
-        if "learned" in rows:
-            model = _learned_retention_teacher(teacher, model_dir, mixer, memory)
-            results.append(probe("teacher + learned retention", model, memory))
-            del model
-        if "student" in rows:
+    results = []
+    if args.trials > 0:
+        print(f"passkey, 5 digits, {args.trials} trials per distance, S={sinks} W={window}; cells: exact match "
+              "(fraction of key tokens right)\n")
+        print("| model | M | " + " | ".join(f"{d} back" for d in args.distances) + " |")
+        print("|---|---|" + "---|" * len(args.distances))
+        results.append(probe("teacher (full KV cache)", teacher, None))
+        for memory in args.memory_sizes:
+            if "tova" in rows:
+                results.append(probe("teacher + TOVA", retention_baseline(teacher, sinks, window, memory), memory))
+            if "learned" in rows:
+                model = _learned_retention_teacher(teacher, model_dir, mixer, memory)
+                results.append(probe("teacher + learned retention", model, memory))
+                del model
+            if "student" in rows:
+                student = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                               memory_size=memory).eval()
+                results.append(probe("student", student, memory))
+                del student
+    ranks = None
+    if args.ranks:
+        student = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        memory = [layer.mixer.memory_size for layer in student.model.layers]
+        ranks = key_ranks(student, tokenizer, filler.reshape(-1).tolist(), args.distances, args.trials or 10,
+                          options["seed"])
+        del student
+        print(f"\nretention rank of the key's worst-placed token at the question (best KV head, median of "
+              f"{args.trials or 10} trials; the layer keeps the key iff rank < M)\n")
+        print("| layer | M | " + " | ".join(f"{d} back" for d in args.distances) + " |")
+        print("|---|---|" + "---|" * len(args.distances))
+        for i, m in enumerate(memory):
+            if m > 0:
+                print(f"| {i} | {m} | " + " | ".join(str(ranks[d][i]) for d in args.distances) + " |")
+    curve = []
+    if args.perplexity:
+        long = long_heldout_windows(tokenizer, list(options["data"]), seq_len=options["seq_len"],
+                                    num_heldout=options["heldout_windows"], seed=options["seed"],
+                                    long_length=args.long_seq_len)[: args.perplexity]
+        print(f"\nperplexity on {long.shape[0]} held-out windows of {long.shape[1]} tokens; state per sequence; "
+              "StreamingLLM: the untrained teacher with a cache of the same bytes (1 sink + W tokens)\n")
+        print("| M | state | student ppl | ratio | StreamingLLM W | StreamingLLM ppl | ratio |")
+        print("|---|---|---|---|---|---|---|")
+        base = perplexity(teacher, long, batch_size=1)["ppl"]
+        print(f"| teacher (full KV cache) | | {base:.3f} | 1.00x | | | |", flush=True)
+        for memory in args.memory_sizes:
             student = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, memory_size=memory).eval()
-            results.append(probe("student", student, memory))
+            equal = equal_memory_window(student.config, teacher.config, sinks, _kv_dtype(student))
+            ppl = perplexity(student, long, batch_size=1)["ppl"]
             del student
+            stream = perplexity(streaming_llm_baseline(teacher, sinks, equal["window"]), long, batch_size=1)["ppl"]
+            curve.append({"memory": memory, "state_bytes": equal["student_state_bytes"], "ppl": ppl,
+                          "streaming_window": equal["window"], "streaming_ppl": stream, "teacher_ppl": base})
+            print(f"| {memory} | {format_bytes(equal['student_state_bytes'])} | {ppl:.3f} | {ppl / base:.2f}x | "
+                  f"{equal['window']} | {stream:.3f} | {stream / base:.2f}x |", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"distances": args.distances, "trials": args.trials,
-                                               "rows": results}, indent=1))
+                                               "rows": results, "perplexity": curve,
+                                               "ranks": ranks}, indent=1))
 
 
 if __name__ == "__main__":

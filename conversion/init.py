@@ -15,7 +15,8 @@ calibration windows run through the teacher with eager attention (so the attenti
   of a head get rates spread geometrically around it (x 1/spread ... x spread).
 - ``window_gate`` [H] (or ``gate_proj.bias`` with an input gate): logit of the share of the head's attention mass
   that falls inside what the window branch sees (last W tokens + S sinks), clipped to [0.05, 0.95]: heads that the
-  window already reproduces start with the window branch dominant.
+  window already reproduces start with the window branch dominant. With a memory tier, stage 1 sets it again once
+  the retention score is fitted, from the share inside window, sinks and memory (what the branch then sees).
 - ``rope_inv_freq``: copied from the teacher by the adapter; kept as mapped.
 
 Everything is deterministic given the seed.
@@ -33,7 +34,7 @@ from aaren_hf.modeling_aaren import AarenMixer
 
 from .adapters import teacher_layers, teacher_qkv
 
-__all__ = ["attention_statistics", "kmeans", "initialize_student", "spread_multipliers"]
+__all__ = ["attention_statistics", "kmeans", "initialize_student", "set_window_share", "spread_multipliers"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -193,6 +194,22 @@ def _logit(p: float) -> float:
 
 
 @torch.no_grad()
+def set_window_share(mixer, share: torch.Tensor, clip: tuple[float, float] = (0.05, 0.95)) -> list[float]:
+    """Set the window gate (``window_gate`` [H], or an input gate's bias) so that each head starts with ``share``
+    [H] of its output from the window branch, clipped to ``clip``; returns the shares set. Called here with the
+    share of the teacher's attention inside the window and sinks, and again by stage 1 once a memory tier's
+    retention score is fitted, with the share inside window, sinks and memory."""
+    share = share.float().clamp(*clip)
+    logits = torch.tensor([_logit(float(p)) for p in share])
+    if hasattr(mixer, "window_gate"):
+        mixer.window_gate.copy_(logits.to(mixer.window_gate.dtype))
+    elif hasattr(mixer, "gate_proj"):
+        mixer.gate_proj.weight.zero_()
+        mixer.gate_proj.bias.copy_(logits.to(mixer.gate_proj.bias.dtype))
+    return [round(float(v), 3) for v in share]
+
+
+@torch.no_grad()
 def initialize_student(student, teacher, calibration_windows: torch.Tensor, *, seed: int = 0,
                        kmeans_iterations: int = 8, kmeans_points: int = 4096, decay_spread: float = 2.0,
                        gate_clip: tuple[float, float] = (0.05, 0.95), query_scale: str = "norm",
@@ -279,14 +296,7 @@ def _set_layers(layers, mixers, stats, report, H, J, D, dtype, multipliers, seed
             mixer.log_decay.copy_(rates.log().to(mixer.log_decay.dtype))
             entry["decay_rate"] = [round(float(v), 5) for v in rate]
         if cfg.window_size > 0:
-            share = st["window_mass"].clamp(*gate_clip)
-            logits = torch.tensor([_logit(float(p)) for p in share])
-            if hasattr(mixer, "window_gate"):
-                mixer.window_gate.copy_(logits.to(mixer.window_gate.dtype))
-            elif hasattr(mixer, "gate_proj"):
-                mixer.gate_proj.weight.zero_()
-                mixer.gate_proj.bias.copy_(logits.to(mixer.gate_proj.bias.dtype))
-            entry["window_share"] = [round(float(v), 3) for v in share]
+            entry["window_share"] = set_window_share(mixer, st["window_mass"], gate_clip)
         report["layers"].append(entry)
 
 

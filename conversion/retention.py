@@ -24,7 +24,7 @@ from aaren_hf.modeling_aaren import memory_visibility, rotate, round_retention
 
 from .adapters import teacher_attention_scale, teacher_qkv
 
-__all__ = ["beyond_window_mass", "coverage", "fit_retention", "rule_scores", "teacher_attention"]
+__all__ = ["beyond_window_mass", "coverage", "fit_retention", "rule_scores", "teacher_attention", "visible_share"]
 
 FLOOR = 1e-4  # attention below this is noise for ranking purposes
 
@@ -108,3 +108,18 @@ def coverage(attn: torch.Tensor, scores: torch.Tensor, window: int, num_sinks: i
     beyond = ((t - j) >= window) & (j >= num_sinks)
     total = attn.masked_fill(~beyond, 0.0).sum()
     return float(attn.masked_fill(~visible, 0.0).sum() / total) if total > 0 else float("nan")
+
+
+@torch.no_grad()
+def visible_share(attn: torch.Tensor, scores: torch.Tensor, window: int, num_sinks: int,
+                  memory_size: int) -> torch.Tensor:
+    """[H]: per head, the share of the teacher's attention (mean over queries) that falls on what the window branch
+    sees: the last ``window`` tokens, the sinks, and the ``memory_size`` tokens kept under ``scores`` [B, T, Hkv]."""
+    B, H, T, _ = attn.shape
+    Hkv = scores.shape[-1]
+    pos = torch.arange(T).expand(B, Hkv, T)
+    kept, _ = memory_visibility(pos, round_retention(scores).transpose(1, 2), 0, window, num_sinks, memory_size,
+                                torch.ones(B, T, dtype=torch.bool))
+    t, j = torch.arange(T).view(-1, 1), torch.arange(T).view(1, -1)
+    seen = kept.repeat_interleave(H // Hkv, dim=1) | ((t - j) < window) | (j < num_sinks)  # [B, H, T, T]
+    return attn.masked_fill(~seen, 0.0).sum(-1).mean((0, 2))

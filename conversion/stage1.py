@@ -31,8 +31,8 @@ from aaren_hf.modeling_aaren import AarenMixer
 
 from . import train_state as ts
 from .adapters import teacher_layers
-from .init import never_trained
-from .retention import coverage, fit_retention, rule_scores, teacher_attention
+from .init import never_trained, set_window_share
+from .retention import coverage, fit_retention, rule_scores, teacher_attention, visible_share
 
 __all__ = ["Stage1Options", "capture_attention", "fvu", "run_stage1", "train_mixer", "mixer_trainable_parameters"]
 
@@ -434,11 +434,14 @@ def _train_layers(student, teacher, acts: dict, held: dict, layers: list[int], o
         ho32 = (ho[0].float(), ho[1].float()) if ho is not None else None
         if bar is not None:
             bar.set_description(f"stage 1: layer {i}")
+        memory = None
+        if getattr(mixer, "memory_size", 0) > 0:  # first: the window gate starts from what the memory will hold
+            memory = fit_memory(mixer, tlayers[i], x, ho32[0] if ho32 is not None else None)
+            say(f"stage 1 layer {i:2d}: memory " + ", ".join(f"{k} {v:.3f}" for k, v in memory.items()))
         rec = train_mixer(mixer, x, y, opts, seed=seed, layer=i, checkpoint_dir=folder / "checkpoints",
                           heldout=ho32, progress=bar, log=say)
-        if getattr(mixer, "memory_size", 0) > 0:
-            rec["memory"] = fit_memory(mixer, tlayers[i], x, ho32[0] if ho32 is not None else None)
-            say(f"stage 1 layer {i:2d}: memory " + ", ".join(f"{k} {v:.3f}" for k, v in rec["memory"].items()))
+        if memory is not None:
+            rec["memory"] = memory
         weights, meta = _layer_files(folder, i)
         ts.atomic_save_tensors(weights, ts.trainable_state(mixer, include_frozen=True))
         ts.atomic_write_json(meta, rec)
@@ -454,13 +457,21 @@ def _train_layers(student, teacher, acts: dict, held: dict, layers: list[int], o
 
 
 def fit_memory(mixer, teacher_layer, x: torch.Tensor, heldout_x: Optional[torch.Tensor], batch: int = 4) -> dict:
-    """Fit the memory tier's retention score to the teacher's attention on the captured windows, and measure on
-    held-out windows the share of beyond-window attention each rule keeps (docs/conversion.md: why "learned")."""
+    """Fit the memory tier's retention score to the teacher's attention on the captured windows, start the window
+    gate (Aaren layers) from the share of that attention the window branch now sees (window, sinks and memory;
+    ``window_share``: the mean over heads), and measure on held-out windows the share of beyond-window attention
+    each rule keeps (docs/conversion.md: why "learned")."""
     inv_freq = mixer.rope_inv_freq
     attn = torch.cat([teacher_attention(teacher_layer, x[s : s + batch], inv_freq) for s in range(0, x.shape[0], batch)])
     out = {}
     if mixer.memory_rule == "learned":
         out["fit_r2"] = fit_retention(mixer, x.float(), attn)["r2"]
+    if mixer.aaren_branch:  # the gate's start: the share of the teacher's attention the branch now sees
+        share = sum(visible_share(attn[s : s + batch], rule_scores(mixer, x[s : s + batch], mixer.memory_rule),
+                                  mixer.window, mixer.num_sinks, mixer.memory_size) * attn[s : s + batch].shape[0]
+                    for s in range(0, x.shape[0], batch)) / x.shape[0]
+        shares = set_window_share(mixer, share)
+        out["window_share"] = sum(shares) / len(shares)
     del attn
     if heldout_x is not None and heldout_x.shape[0]:
         attn = teacher_attention(teacher_layer, heldout_x, inv_freq)

@@ -60,6 +60,47 @@ def test_coverage_is_one_when_the_memory_holds_everything():
     assert retention.coverage(attn, torch.zeros(1, T, 2), W, S, memory_size=1) < 1.0
 
 
+def test_visible_share_counts_window_sinks_and_memory_by_brute_force():
+    """Per head, the mean over queries of the attention on what the window branch sees, checked against a loop
+    over queries that applies the memory rule (top M scores among the tokens that left the window, newer wins)."""
+    torch.manual_seed(0)
+    B, H, Hkv, T, W, S, M = 2, 4, 2, 15, 3, 1, 2
+    attn = torch.softmax(torch.randn(B, H, T, T).masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), -1e9), -1)
+    scores = torch.randint(0, 3, (B, T, Hkv)).float()  # ties on purpose
+    share = retention.visible_share(attn, scores, W, S, M)
+    expected = torch.zeros(H)
+    for b in range(B):
+        for h in range(H):
+            for t in range(T):
+                left = [j for j in range(S, t - W + 1)]
+                ranked = sorted(left, key=lambda j: (float(scores[b, j, h // (H // Hkv)]), j), reverse=True)
+                seen = set(ranked[:M]) | {j for j in range(T) if (t - j < W and j <= t) or j < S}
+                expected[h] += sum(float(attn[b, h, t, j]) for j in seen)
+    torch.testing.assert_close(share, expected / (B * T))
+    assert (retention.visible_share(attn, scores, W, S, T) - 1).abs().max() < 1e-5  # a memory that holds everything
+
+
+def test_stage1_starts_the_window_gate_from_what_the_memory_will_hold(tiny):  # noqa: F811
+    """With a memory tier, the gate's starting share is the teacher's attention on window, sinks and memory (higher
+    than on window and sinks alone), set after the retention fit."""
+    from aaren_hf.conversion.adapters import teacher_layers
+    from aaren_hf.conversion.convert import build_student, load_teacher
+    from aaren_hf.conversion.stage1 import capture_attention, fit_memory
+
+    _, teacher = load_teacher(str(tiny[0]))
+    student = build_student(teacher, {"window_size": 4, "num_sink_tokens": 1, "memory_size": 6})
+    mixer = student.model.layers[0].mixer
+    windows = torch.randint(0, teacher.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0))
+    x, _ = capture_attention(teacher, windows, [0], dtype=torch.float32)[0]
+    out = fit_memory(mixer, teacher_layers(teacher)[0], x, None)
+    attn = retention.teacher_attention(teacher_layers(teacher)[0], x, mixer.rope_inv_freq)
+    share = retention.visible_share(attn, retention.rule_scores(mixer, x, "learned"), 4, 1, 6).clamp(0.05, 0.95)
+    torch.testing.assert_close(torch.sigmoid(mixer.window_gate.detach().float()), share, atol=1e-5, rtol=0)
+    assert out["window_share"] == pytest.approx(float(share.mean()), abs=1e-3)
+    assert float(retention.visible_share(attn, retention.rule_scores(mixer, x, "learned"), 4, 1, 0).mean()) < \
+        float(share.mean())
+
+
 def test_conversion_with_memory_and_sliding_layers(tiny, tmp_path):  # noqa: F811
     """A whole tiny conversion with the memory tier, one layer kept as sliding attention: the retention score is
     fitted (no longer zero), coverage is reported, the sliding layer has no Aaren parameters, and the result
