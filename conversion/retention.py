@@ -93,17 +93,24 @@ def rule_scores(mixer, x: torch.Tensor, rule: str) -> torch.Tensor:
     return mixer.slot_scores(mixer.keys(x)).view(B, T, Hkv, -1).amax(-1)
 
 
+def _kept_by_memory(attn: torch.Tensor, scores: torch.Tensor, window: int, num_sinks: int,
+                    memory_size: int) -> torch.Tensor:
+    """[B, H, T, T] bool: the keys each query of ``attn`` sees in the memory under ``scores`` [B, T, Hkv], selected
+    (and rounded) as the model selects them."""
+    B, H, T, _ = attn.shape
+    Hkv = scores.shape[-1]
+    pos = torch.arange(T).expand(B, Hkv, T)
+    kept, _ = memory_visibility(pos, round_retention(scores).transpose(1, 2), 0, window, num_sinks, memory_size,
+                                torch.ones(B, T, dtype=torch.bool))
+    return kept.repeat_interleave(H // Hkv, dim=1)
+
+
 @torch.no_grad()
 def coverage(attn: torch.Tensor, scores: torch.Tensor, window: int, num_sinks: int, memory_size: int) -> float:
     """Share of the teacher's attention beyond the window (sinks excluded) that lands on the tokens the memory keeps
     under ``scores`` [B, T, Hkv] (rounded as the model rounds them)."""
-    B, H, T, _ = attn.shape
-    Hkv = scores.shape[-1]
-    pos = torch.arange(T).expand(B, Hkv, T)
-    scores = round_retention(scores)
-    visible, _ = memory_visibility(pos, scores.transpose(1, 2), 0, window, num_sinks, memory_size,
-                                   torch.ones(B, T, dtype=torch.bool))
-    visible = visible.repeat_interleave(H // Hkv, dim=1)  # [B, H, T, T]
+    T = attn.shape[-1]
+    visible = _kept_by_memory(attn, scores, window, num_sinks, memory_size)
     t, j = torch.arange(T).view(-1, 1), torch.arange(T).view(1, -1)
     beyond = ((t - j) >= window) & (j >= num_sinks)
     total = attn.masked_fill(~beyond, 0.0).sum()
@@ -115,11 +122,7 @@ def visible_share(attn: torch.Tensor, scores: torch.Tensor, window: int, num_sin
                   memory_size: int) -> torch.Tensor:
     """[H]: per head, the share of the teacher's attention (mean over queries) that falls on what the window branch
     sees: the last ``window`` tokens, the sinks, and the ``memory_size`` tokens kept under ``scores`` [B, T, Hkv]."""
-    B, H, T, _ = attn.shape
-    Hkv = scores.shape[-1]
-    pos = torch.arange(T).expand(B, Hkv, T)
-    kept, _ = memory_visibility(pos, round_retention(scores).transpose(1, 2), 0, window, num_sinks, memory_size,
-                                torch.ones(B, T, dtype=torch.bool))
+    T = attn.shape[-1]
     t, j = torch.arange(T).view(-1, 1), torch.arange(T).view(1, -1)
-    seen = kept.repeat_interleave(H // Hkv, dim=1) | ((t - j) < window) | (j < num_sinks)  # [B, H, T, T]
+    seen = _kept_by_memory(attn, scores, window, num_sinks, memory_size) | ((t - j) < window) | (j < num_sinks)
     return attn.masked_fill(~seen, 0.0).sum(-1).mean((0, 2))
