@@ -33,12 +33,14 @@ class AarenConfig(PreTrainedConfig):
         num_sink_tokens (`int`, 0): S first tokens that stay visible to the window branch (StreamingLLM sinks).
         window_gate (`str`, "head"): "head" (one learned gate per head) or "input" (gate computed from the input).
         window_gate_init (`float`, 0.0): initial gate logit; sigmoid(logit) is the window branch's share.
-        memory_size (`int`, 0): M > 0 adds an exact-memory tier to the window branch: per KV head, up to M
+        memory_size (`int` or `list[int]`, 0): M > 0 adds an exact-memory tier to the window branch: per KV head, up to M
             key/value pairs kept after they leave the window, read by the real query in the same softmax as the
             sinks and the window. What is kept is decided when a token leaves the window, by a retention score fixed
             when the token was written: of all tokens that have left the window, the M with the highest scores
             (ties: the newer) stay. A static score makes the parallel (training, prefill) path exactly equal to
             token-by-token decoding. 0 is the model without the tier, bit for bit. Needs window_size > 0.
+            A list gives each layer its own M (one entry per layer, 0: no memory in that layer), e.g. to try a
+            converted model with its memory spread differently (`from_pretrained(path, memory_size=[...])`).
         memory_rule (`str`, "learned"): the retention score. "learned": a linear projection of the input per KV
             head (zero-initialised: then every token ties and the memory holds the M newest tokens beyond the
             window; conversion trains it to predict which tokens the teacher's later queries attend to).
@@ -174,7 +176,7 @@ class AarenConfig(PreTrainedConfig):
         self.num_sink_tokens = num_sink_tokens
         self.window_gate = window_gate
         self.window_gate_init = window_gate_init
-        self.memory_size = memory_size
+        self.memory_size = list(memory_size) if isinstance(memory_size, (list, tuple)) else memory_size
         self.memory_rule = memory_rule
         self.kv_cache_dtype = kv_cache_dtype
         self.layer_types = list(layer_types) if layer_types is not None else None
@@ -220,8 +222,18 @@ class AarenConfig(PreTrainedConfig):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "num_query_slots", "chunk_size", "max_position_embeddings"):
             positive(name)
-        for name in ("window_size", "num_sink_tokens", "memory_size"):
+        for name in ("window_size", "num_sink_tokens"):
             positive(name, allow_zero=True)
+        if isinstance(self.memory_size, (list, tuple)):
+            sizes = list(self.memory_size)
+            if len(sizes) != self.num_hidden_layers or not all(
+                    isinstance(m, int) and not isinstance(m, bool) and m >= 0 for m in sizes):
+                raise ValueError(
+                    f"AarenConfig.memory_size as a list gives one integer >= 0 per layer ({self.num_hidden_layers} "
+                    f"layers), got {self.memory_size!r}: fix the list, or give one integer for every layer"
+                )
+        else:
+            positive("memory_size", allow_zero=True)
         if self.head_dim is None:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) is not divisible by num_attention_heads "
@@ -247,7 +259,7 @@ class AarenConfig(PreTrainedConfig):
                 raise ValueError(f"AarenConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.num_sink_tokens > 0 and self.window_size == 0:
             raise ValueError("num_sink_tokens > 0 needs the window branch: set window_size > 0 as well")
-        if self.memory_size > 0 and self.window_size == 0:
+        if self.max_memory_size > 0 and self.window_size == 0:
             raise ValueError(
                 "memory_size > 0 needs the window branch (the memory holds tokens that have left the window and is "
                 "read in the window's softmax): set window_size > 0 as well, or memory_size=0"
@@ -263,8 +275,8 @@ class AarenConfig(PreTrainedConfig):
                     "a 'sliding_attention' layer is the window branch alone: set window_size > 0 (aaren-convert: "
                     "--window-size), or sliding_window to the teacher's local window"
                 )
-            if ("sliding_attention" in self.layer_types and self.sliding_window is None and self.memory_size > 0
-                    and self.memory_rule == "aaren"):
+            if self.memory_rule == "aaren" and self.sliding_window is None and any(
+                    t == "sliding_attention" and self.layer_memory_size(i) > 0 for i, t in enumerate(self.layer_types)):
                 raise ValueError(
                     "memory_rule='aaren' ranks tokens by the Aaren queries, which 'sliding_attention' layers do not "
                     "have: use memory_rule='learned'"
@@ -307,7 +319,17 @@ class AarenConfig(PreTrainedConfig):
         """(window, sink tokens, memory size) of the window branch of layer ``index`` (window 0: none)."""
         if self.layer_type(index) == "sliding_attention" and self.sliding_window is not None:
             return self.sliding_window, 0, 0
-        return self.window_size, self.num_sink_tokens, self.memory_size
+        return self.window_size, self.num_sink_tokens, self.layer_memory_size(index)
+
+    def layer_memory_size(self, index: int) -> int:
+        """The memory tier's M in layer ``index`` (``memory_size``, or its entry when it is a per-layer list)."""
+        return self.memory_size[index] if isinstance(self.memory_size, (list, tuple)) else self.memory_size
+
+    @property
+    def max_memory_size(self) -> int:
+        """The largest M of any layer (0: no layer has a memory)."""
+        sizes = self.memory_size if isinstance(self.memory_size, (list, tuple)) else [self.memory_size]
+        return max(sizes, default=0)
 
     def layer_uses_query_projection(self, index: int) -> bool:
         """Whether layer ``index`` has q_proj: Aaren layers as :attr:`uses_query_projection` says, window-only layers

@@ -112,8 +112,12 @@ def _student_summary(cfg: dict) -> str:
     if cfg.get("window_size"):
         parts.append(f"softmax window of {cfg['window_size']} tokens with {cfg.get('num_sink_tokens', 0)} sink(s), "
                      f"gate per {cfg.get('window_gate', 'head')}")
-        if cfg.get("memory_size"):
-            parts.append(f"exact memory of {cfg['memory_size']} tokens per key/value head beyond the window (rule "
+        memory = cfg.get("memory_size")
+        if isinstance(memory, list) and any(memory):
+            parts.append(f"exact memory beyond the window of {sum(memory)} tokens per key/value head in all, spread "
+                         f"over the layers as {memory} (rule {cfg.get('memory_rule', 'learned')})")
+        elif memory:
+            parts.append(f"exact memory of {memory} tokens per key/value head beyond the window (rule "
                          f"{cfg.get('memory_rule', 'learned')})")
         parts.append(f"window and memory keys/values stored in {cfg.get('kv_cache_dtype') or 'the model dtype'}")
     else:

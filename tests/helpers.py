@@ -45,6 +45,8 @@ MIXER_CASES = {
                              memory_rule="aaren"),
     "memory_gate_input_decay": dict(window_size=3, num_sink_tokens=2, memory_size=4, window_gate="input",
                                     decay="learned"),
+    # a memory in one layer only (per-layer M; layer 0 has no retention parameters)
+    "memory_per_layer": dict(window_size=3, num_sink_tokens=1, memory_size=[0, 3]),
     # window, sink and memory keys/values stored (and computed on) in 16 bits in a float32 model
     "memory_kv_bf16": dict(window_size=3, num_sink_tokens=1, memory_size=3, kv_cache_dtype="bfloat16"),
     "sliding_layer_memory": dict(window_size=4, num_sink_tokens=1, memory_size=2,

@@ -363,7 +363,9 @@ def test_recipes_map_onto_their_families():
         cfg = recipe.aaren_config(make_teacher(recipe.model_type).config)
         for key, value in DEFAULT_MIXER.items():
             assert getattr(cfg, key) == value
-        assert recipe.budget.stage1_steps > 0 and recipe.budget.stage2_steps > 0 and recipe.budget.data_tokens > 0
+        # the packaged teacher's 30-minute budget has no stage 2 (recipes.py says why); the hub recipes do
+        assert recipe.budget.stage1_steps > 0 and recipe.budget.data_tokens > 0
+        assert (recipe.budget.stage2_steps > 0) == (recipe.name != "smollm2-135m")
     with pytest.raises(KeyError, match="smollm2-135m"):
         get_recipe("nope")
     changed = get_recipe("gpt2").replace(mixer={"window_size": 16}, budget={"stage2_steps": 1})

@@ -22,7 +22,7 @@ PACKAGE_DIR = Path(aaren_hf.__file__).parent
 REMOTE_FILES = ("configuration_aaren.py", "modeling_aaren.py", "aaren_scan.py")
 CASES = {
     "tied": dict(tie_word_embeddings=True, decay="input", window_size=4, num_sink_tokens=2),
-    "untied": dict(MIXER_CASES["everything"], memory_size=2, tie_word_embeddings=False),
+    "untied": dict(MIXER_CASES["everything"], memory_size=[0, 2], tie_word_embeddings=False),  # per-layer memory
     "gemma": dict(MIXER_CASES["gemma_block"]),  # hybrid layers, Gemma-3's block options
 }
 PROMPT = random_ids(2, 5, seed=9)

@@ -190,9 +190,10 @@ def reference_mixer(mixer, config, x, mask):
         win = brute_force_window(q, k, v, pos, config.sliding_window, 0, mixer.rope_inv_freq, scale,
                                  kv_dtype=mixer.kv_cache_dtype)
         return lin(mixer.o_proj, win.reshape(B, T, H * D))
+    memory = config.layer_memory_size(mixer.layer_idx)
     if not mixer.aaren_branch:  # a sliding-attention layer: the window branch alone
         win = brute_force_window(q, k, v, pos, config.window_size, config.num_sink_tokens, mixer.rope_inv_freq,
-                                 scale, config.memory_size, mixer.retention_score(x.float(), None),
+                                 scale, memory, mixer.retention_score(x.float(), None),
                                  kv_dtype=mixer.kv_cache_dtype)
         return lin(mixer.o_proj, win.reshape(B, T, H * D))
     c = mixer.queries.double()  # [H, J, D]
@@ -216,11 +217,11 @@ def reference_mixer(mixer, config, x, mask):
         o = o[:, :, :, 0]
     if config.window_size > 0:
         retention = None
-        if config.memory_size:  # the mixer's own scores: the rule is checked by test_memory_matches_brute_force
+        if memory:  # the mixer's own scores: the rule is checked by test_memory_matches_brute_force
             s_all = s.float().masked_fill(~mask[:, :, None], 0.0)
             retention = mixer.retention_score(x.float(), s_all)
         win = brute_force_window(q, k, v, pos, config.window_size, config.num_sink_tokens, mixer.rope_inv_freq,
-                                 scale, config.memory_size, retention, kv_dtype=mixer.kv_cache_dtype)
+                                 scale, memory, retention, kv_dtype=mixer.kv_cache_dtype)
         gate_logit = mixer.window_gate.double() if config.window_gate == "head" else lin(mixer.gate_proj, x)
         gate = torch.sigmoid(gate_logit).unsqueeze(-1)
         o = gate * win + (1 - gate) * o
@@ -512,6 +513,9 @@ def test_half_precision_models_keep_fp32_state(dtype):
         (dict(num_sink_tokens=2), "num_sink_tokens > 0 needs the window branch"),
         (dict(memory_size=4), "memory_size > 0 needs the window branch"),
         (dict(window_size=4, memory_size=-1), "memory_size must be an integer >= 0"),
+        (dict(window_size=4, memory_size=[2]), "one integer >= 0 per layer (2 layers)"),
+        (dict(window_size=4, memory_size=[2, -1]), "one integer >= 0 per layer"),
+        (dict(memory_size=[0, 2]), "memory_size > 0 needs the window branch"),
         (dict(window_size=4, memory_size=2, memory_rule="h2o"), "memory_rule must be one of"),
         (dict(window_size=4, kv_cache_dtype="int8"), "kv_cache_dtype must be one of"),
         (dict(layer_types=["linear_attention"]), "layer_types must list one of"),
