@@ -13,7 +13,8 @@ LAYER_TYPES = ("linear_attention", "sliding_attention")
 KV_CACHE_DTYPES = (None, "bfloat16", "float16")
 # Bumped when a checkpoint's meaning changes; code refuses checkpoints from a newer format instead of misreading them.
 # 2: kv_cache_dtype (code without it would silently keep the window and memory at full precision).
-AAREN_FORMAT_VERSION = 2
+# 3: memory_shared_layer (code without it would silently keep other tokens in the memory).
+AAREN_FORMAT_VERSION = 3
 
 
 class AarenConfig(PreTrainedConfig):
@@ -45,6 +46,11 @@ class AarenConfig(PreTrainedConfig):
             head (zero-initialised: then every token ties and the memory holds the M newest tokens beyond the
             window; conversion trains it to predict which tokens the teacher's later queries attend to).
             "aaren": the highest Aaren score <k, c_hj> over the head group's learned queries, no extra parameters.
+        memory_shared_layer (`int`, None): L: the layers after layer L rank tokens for their memory by the larger
+            of their own retention score and layer L's (its best over KV heads), so a token that layer L recognises
+            as worth keeping (a key, a name, a number) stays in their memories too. Layer L's own ranking is
+            unchanged. Scores stay static, so the parallel path still equals token-by-token decoding. None: every
+            layer ranks on its own. Layer L needs a memory.
         kv_cache_dtype (`str`, None): the dtype the window, sink and memory keys/values are stored in ("bfloat16" or
             "float16"; None: the model's dtype, like a KV cache). The window branch rounds its keys and values to it
             in training and prefill too, so every path computes on the numbers the cache holds; the Aaren state,
@@ -123,6 +129,7 @@ class AarenConfig(PreTrainedConfig):
         window_gate_init=0.0,
         memory_size=0,
         memory_rule="learned",
+        memory_shared_layer=None,
         kv_cache_dtype=None,
         layer_types=None,
         sliding_window=None,
@@ -178,6 +185,7 @@ class AarenConfig(PreTrainedConfig):
         self.window_gate_init = window_gate_init
         self.memory_size = list(memory_size) if isinstance(memory_size, (list, tuple)) else memory_size
         self.memory_rule = memory_rule
+        self.memory_shared_layer = memory_shared_layer
         self.kv_cache_dtype = kv_cache_dtype
         self.layer_types = list(layer_types) if layer_types is not None else None
         self.sliding_window = sliding_window
@@ -264,6 +272,14 @@ class AarenConfig(PreTrainedConfig):
                 "memory_size > 0 needs the window branch (the memory holds tokens that have left the window and is "
                 "read in the window's softmax): set window_size > 0 as well, or memory_size=0"
             )
+        shared = self.memory_shared_layer
+        if shared is not None:
+            ok = isinstance(shared, int) and not isinstance(shared, bool) and 0 <= shared < self.num_hidden_layers - 1
+            if not ok:
+                raise ValueError(
+                    f"memory_shared_layer must be None or a layer index from 0 to {self.num_hidden_layers - 2} (a "
+                    f"layer with layers after it), got {shared!r}"
+                )
         if self.layer_types is not None:
             if len(self.layer_types) != self.num_hidden_layers or any(t not in LAYER_TYPES for t in self.layer_types):
                 raise ValueError(
@@ -303,6 +319,11 @@ class AarenConfig(PreTrainedConfig):
             raise ValueError(f"AarenConfig.decay_init must be > 0 (a decay rate per token), got {self.decay_init!r}")
         if not (0.0 <= self.partial_rotary_factor <= 1.0):
             raise ValueError(f"partial_rotary_factor must be in [0, 1] (0: no rotary), got {self.partial_rotary_factor!r}")
+        if shared is not None and self.layer_window(shared)[2] == 0:
+            raise ValueError(
+                f"memory_shared_layer={shared} names a layer without a memory (memory_size there is 0, or it is a "
+                "teacher's local layer): choose a layer with memory_size > 0, or set memory_shared_layer=None"
+            )
         rotary_dim = int(self.head_dim * self.partial_rotary_factor)
         if (self.window_size > 0 or self.sliding_window is not None) and rotary_dim % 2 != 0:
             raise ValueError(f"the rotary part of each head (head_dim * partial_rotary_factor = {rotary_dim}) must be even")

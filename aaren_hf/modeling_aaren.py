@@ -428,6 +428,7 @@ class AarenMixer(nn.Module):
         if self.window > 0:
             self.register_buffer("rope_inv_freq", torch.zeros(config.rotary_dim // 2), persistent=True)
         self.memory_rule = config.memory_rule
+        self.memory_shared_layer = config.memory_shared_layer
         self.kv_cache_dtype = getattr(torch, config.kv_cache_dtype) if config.kv_cache_dtype else None
         if self.memory_size > 0 and self.memory_rule == "learned":
             self.retention_proj = nn.Linear(E, Hkv, bias=True)
@@ -477,10 +478,11 @@ class AarenMixer(nn.Module):
             return -rate * F.softplus(self.decay_proj(x).float()) / math.log(2.0)
         return (-rate).expand(*x.shape[:2], -1)
 
-    def forward(self, x, mask, pos, state: Optional[AarenLayerState] = None):
+    def forward(self, x, mask, pos, state: Optional[AarenLayerState] = None, shared: Optional[dict] = None):
         """x [B, T, E]; mask [B, T] bool (False: padding); pos [B, T] positions (-1 for padding).
 
-        With ``state`` the layer continues from it and leaves the updated state there.
+        With ``state`` the layer continues from it and leaves the updated state there. ``shared``: what the layers
+        of one pass over these tokens hand on to later ones (the retention score of ``memory_shared_layer``).
         """
         B, T, _ = x.shape
         H, D = self.num_heads, self.head_dim
@@ -491,7 +493,9 @@ class AarenMixer(nn.Module):
             s = self.slot_scores(k).masked_fill(~mask.unsqueeze(-1), float("-inf"))
             o = self.aaren_output(x, q, v, s, mask, state)
         if self.window > 0:
-            retention = self.retention_score(x, s) if self.memory_size > 0 else None
+            retention = None
+            if self.memory_size > 0:
+                retention = self.share_retention(self.retention_score(x, s), shared)
             o_win = self.window_branch(q, k, v, pos, state, retention)
             if not self.aaren_branch:
                 o = o_win
@@ -571,6 +575,18 @@ class AarenMixer(nn.Module):
             B, T = x.shape[:2]
             score = aaren_scores.view(B, T, self.num_kv_heads, -1).amax(-1)
         return round_retention(score.detach())
+
+    def share_retention(self, retention, shared: Optional[dict]):
+        """Layer ``memory_shared_layer`` leaves its score (best over KV heads) in ``shared``; the layers after it
+        rank by the larger of theirs and that one. Both are on the 1/64 grid, so the maximum is too: ties stay real.
+        """
+        L = self.memory_shared_layer
+        if L is None or shared is None or self.layer_idx < L:
+            return retention
+        if self.layer_idx == L:
+            shared["retention"] = retention.amax(-1, keepdim=True)
+            return retention
+        return torch.maximum(retention, shared["retention"]) if "retention" in shared else retention
 
     def window_branch(self, q, k, v, pos, state, retention=None):
         B, T, Hkv, D = k.shape
@@ -774,8 +790,8 @@ class AarenDecoderLayer(GradientCheckpointingLayer):
             self.post_mixer_layernorm = make_norm(config, config.hidden_size)
             self.post_mlp_layernorm = make_norm(config, config.hidden_size)
 
-    def forward(self, hidden_states, mask, pos, state=None):
-        mixed = self.mixer(self.input_layernorm(hidden_states), mask, pos, state)
+    def forward(self, hidden_states, mask, pos, state=None, shared=None):
+        mixed = self.mixer(self.input_layernorm(hidden_states), mask, pos, state, shared)
         if self.parallel_residual:
             return hidden_states + mixed + self.mlp(self.post_attention_layernorm(hidden_states))
         if hasattr(self, "post_mixer_layernorm"):
@@ -916,9 +932,10 @@ class AarenModel(AarenPreTrainedModel):
         for start_t in range(0, T, max(step, 1)):
             piece = slice(start_t, start_t + step)
             h = hidden_states[:, piece]
+            shared = {}  # handed from layer to layer within this pass (memory_shared_layer)
             for i, layer in enumerate(self.layers):
                 per_layer[i].append(h)
-                h = layer(h, mask[:, piece], pos[:, piece], None if cache is None else cache.layers[i])
+                h = layer(h, mask[:, piece], pos[:, piece], None if cache is None else cache.layers[i], shared)
             outputs.append(self.norm(h))
             per_layer[-1].append(outputs[-1])
         hidden_states = outputs[0] if len(outputs) == 1 else torch.cat(outputs, 1)

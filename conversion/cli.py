@@ -134,6 +134,9 @@ def convert_parser() -> argparse.ArgumentParser:
     g.add_argument("--memory-size", type=_int(0, 1 << 16), metavar="M",
                    help="exact-memory tier: per KV head, M tokens kept after they leave the window (needs "
                         "--window-size > 0; 0: none)")
+    g.add_argument("--memory-shared-layer", type=_layer_or_none, metavar="L",
+                   help="the layers after layer L also keep in their memory what layer L's retention score ranks "
+                        "high ('none': every layer on its own; the smollm2-135m recipe: 6)")
     g.add_argument("--memory-rule", choices=("learned", "aaren"),
                    help="what the memory keeps: a retention score fitted to the teacher's attention, or the Aaren "
                         "queries' scores")
@@ -252,10 +255,13 @@ def options_from_args(args, parser):
     else:
         opts = ConvertOptions()
     mixer = {k: getattr(args, k) for k in ("num_query_slots", "decay", "window_size", "num_sink_tokens", "window_gate",
-                                           "memory_size", "memory_rule", "kv_cache_dtype", "convert_layers")
+                                           "memory_size", "memory_rule", "memory_shared_layer", "kv_cache_dtype",
+                                           "convert_layers")
              if getattr(args, k) is not None}
     if mixer.get("kv_cache_dtype") == "model":
         mixer["kv_cache_dtype"] = None
+    if mixer.get("memory_shared_layer") == "none":
+        mixer["memory_shared_layer"] = None
     stage1 = {"steps": args.stage1_steps, "lr": args.stage1_lr, "windows": args.stage1_windows,
               "batch_size": args.stage1_batch_size, "checkpoint_every": args.checkpoint_every}
     if args.freeze_teacher_weights:
@@ -278,6 +284,14 @@ def options_from_args(args, parser):
     opts.progress, opts.cpu = not args.no_progress, args.cpu
     validate_options(opts, parser)
     return opts
+
+
+def _layer_or_none(text: str):
+    if text == "none":
+        return "none"
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a layer index (0, 1, ...) or 'none', got {text!r}")
+    return int(text)
 
 
 def validate_options(opts, parser) -> None:

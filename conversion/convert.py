@@ -272,7 +272,10 @@ def build_student(teacher_model, mixer_options: dict):
     from .adapters import aaren_config_from_teacher, map_teacher_state_dict
     from .init import new_parameter_names
 
-    config = aaren_config_from_teacher(teacher_model.config, **mixer_options)
+    try:
+        config = aaren_config_from_teacher(teacher_model.config, **mixer_options)
+    except ValueError as error:  # AarenConfig's own check, e.g. a memory_shared_layer beyond the teacher's layers
+        raise ConversionError(f"the mixer options do not fit this teacher: {error}") from None
     student = AarenForCausalLM(config)
     mapped = map_teacher_state_dict(teacher_model, config)
     missing, unexpected = student.load_state_dict(mapped, strict=False)

@@ -47,6 +47,9 @@ MIXER_CASES = {
                                     decay="learned"),
     # a memory in one layer only (per-layer M; layer 0 has no retention parameters)
     "memory_per_layer": dict(window_size=3, num_sink_tokens=1, memory_size=[0, 3]),
+    # layer 1 also keeps what layer 0's retention score ranks high
+    "memory_shared": dict(window_size=3, num_sink_tokens=1, memory_size=2, num_key_value_heads=2,
+                          memory_shared_layer=0),
     # window, sink and memory keys/values stored (and computed on) in 16 bits in a float32 model
     "memory_kv_bf16": dict(window_size=3, num_sink_tokens=1, memory_size=3, kv_cache_dtype="bfloat16"),
     "sliding_layer_memory": dict(window_size=4, num_sink_tokens=1, memory_size=2,

@@ -360,7 +360,8 @@ def test_recipes_map_onto_their_families():
         if recipe.model_type not in FAMILIES:  # gemma3-270m: tests/test_gemma3.py
             continue
         assert recipe.model_type in SUPPORTED_TEACHERS
-        cfg = recipe.aaren_config(make_teacher(recipe.model_type).config)
+        # the tiny teacher has fewer layers than the shared layer the SmolLM2-135M recipe names (6 of its 30)
+        cfg = recipe.aaren_config(make_teacher(recipe.model_type).config, memory_shared_layer=None)
         for key, value in DEFAULT_MIXER.items():
             assert getattr(cfg, key) == value
         # the packaged teacher's 30-minute budget has no stage 2 (recipes.py says why); the hub recipes do

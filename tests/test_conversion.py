@@ -435,6 +435,7 @@ def test_console_script_entry_point():
     (["--teacher", "x", "--trainable", "everything"], "invalid choice: 'everything'"),
     (["--teacher", "./no/such/folder"], "does not exist"),
     (["--teacher", "x", "--num-sink-tokens", "2", "--window-size", "0"], "needs the window branch"),
+    (["--teacher", "x", "--memory-shared-layer", "six"], "expected a layer index (0, 1, ...) or 'none'"),
     (["--teacher", "x", "--batch-size", "3", "--micro-batch-size", "2"], "multiple of --micro-batch-size"),
     (["--recipe", "nope"], "unknown recipe 'nope'"),
     ([], "give --recipe NAME"),

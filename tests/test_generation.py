@@ -18,7 +18,7 @@ from aaren_hf import AarenCache
 from helpers import MIXER_CASES, VOCAB, left_pad, one_thread, random_ids, tiny_model  # noqa: F401 (fixture)
 
 PADDING_CASES = ["paper", "everything", "window_sinks_gate_input", "memory_gate_input_decay", "memory_aaren_gqa",
-                 "memory_kv_bf16", "memory_per_layer"]
+                 "memory_kv_bf16", "memory_per_layer", "memory_shared"]
 
 
 def make_tokenizer():

@@ -317,6 +317,37 @@ def test_memory_matches_brute_force(window, sinks, memory, splits):
     assert (flipped - want).abs().max() > 1e-2
 
 
+def test_shared_retention_keeps_the_top_tokens_by_the_larger_score():
+    """memory_shared_layer=0: layer 1's memory holds, per KV head, the M tokens that have left the window with the
+    highest max(own score, layer 0's best score over KV heads), by a brute-force sort; layer 0's memory is its own.
+    Teeth: layer 0's scores are made to dominate, so layer 1 keeps other tokens than it would on its own."""
+    kw = dict(window_size=3, num_sink_tokens=1, memory_size=3, num_key_value_heads=2)
+    shared, alone = tiny_model(**kw, memory_shared_layer=0), tiny_model(**kw)
+    with torch.no_grad():
+        for model in (shared, alone):
+            model.model.layers[0].mixer.retention_proj.weight.mul_(40)
+    recorded = {}
+    for i, layer in enumerate(shared.model.layers):
+        own = layer.mixer.retention_score
+        layer.mixer.retention_score = lambda x, s, i=i, own=own: recorded.setdefault(i, own(x, s))
+    ids = random_ids(1, 17, seed=2)
+    T, W, S, M = 17, 3, 1, 3
+    with torch.no_grad():
+        kept_shared = shared(ids, use_cache=True).past_key_values.layers
+        kept_alone = alone(ids, use_cache=True).past_key_values.layers
+
+    def brute(score):  # [T, Hkv] -> per kv head the set of positions kept for the next query (stream index T)
+        left = range(S, T - W + 1)
+        return [set(sorted(left, key=lambda j: (float(score[j, h]), j), reverse=True)[:M]) for h in range(2)]
+
+    own0, own1 = recorded[0][0], recorded[1][0]
+    combined = torch.maximum(own1, own0.amax(-1, keepdim=True))
+    got = [set(kept_shared[1].memory_pos[0, h].tolist()) for h in range(2)]
+    assert got == brute(combined)
+    assert [set(kept_shared[0].memory_pos[0, h].tolist()) for h in range(2)] == brute(own0)
+    assert got != [set(kept_alone[1].memory_pos[0, h].tolist()) for h in range(2)] == brute(own1)
+
+
 def test_memory_size_zero_is_the_model_without_it():
     """memory_size=0 builds no retention parameters and computes exactly the model without the tier."""
     base = dict(window_size=4, num_sink_tokens=1, num_query_slots=2, decay="learned")
@@ -516,6 +547,8 @@ def test_half_precision_models_keep_fp32_state(dtype):
         (dict(window_size=4, memory_size=[2]), "one integer >= 0 per layer (2 layers)"),
         (dict(window_size=4, memory_size=[2, -1]), "one integer >= 0 per layer"),
         (dict(memory_size=[0, 2]), "memory_size > 0 needs the window branch"),
+        (dict(window_size=4, memory_size=2, memory_shared_layer=1), "a layer index from 0 to 0"),
+        (dict(window_size=4, memory_size=[0, 2], memory_shared_layer=0), "names a layer without a memory"),
         (dict(window_size=4, memory_size=2, memory_rule="h2o"), "memory_rule must be one of"),
         (dict(window_size=4, kv_cache_dtype="int8"), "kv_cache_dtype must be one of"),
         (dict(layer_types=["linear_attention"]), "layer_types must list one of"),
