@@ -123,6 +123,9 @@ def main() -> None:
     parser.add_argument("--perplexity", type=int, default=0, metavar="N",
                         help="also score N held-out windows of --long-seq-len tokens at each M (0: recall only)")
     parser.add_argument("--long-seq-len", type=int, default=2048)
+    parser.add_argument("--memory-shared-layer", default=None, metavar="L",
+                        help="override the student's memory_shared_layer (a layer index, or 'none': every layer "
+                             "ranks on its own); default: the student's own")
     parser.add_argument("--ranks", action="store_true", help="also print where each layer ranks the key (see above)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", default=None, help="also write the results here")
@@ -133,6 +136,11 @@ def main() -> None:
         parser.error("nothing to measure: give --trials > 0, --perplexity > 0 or --ranks")
     if args.threads:
         torch.set_num_threads(args.threads)
+    override = {}
+    if args.memory_shared_layer is not None:
+        if args.memory_shared_layer != "none" and not args.memory_shared_layer.isdigit():
+            parser.error(f"--memory-shared-layer takes a layer index or 'none', got {args.memory_shared_layer!r}")
+        override["memory_shared_layer"] = None if args.memory_shared_layer == "none" else int(args.memory_shared_layer)
 
     from transformers import AutoModelForCausalLM
 
@@ -182,12 +190,12 @@ def main() -> None:
                 del model
             if "student" in rows:
                 student = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                               memory_size=memory).eval()
+                                                               memory_size=memory, **override).eval()
                 results.append(probe("student", student, memory))
                 del student
     ranks = None
     if args.ranks:
-        student = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        student = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **override).eval()
         memory = [layer.mixer.memory_size for layer in student.model.layers]
         ranks = key_ranks(student, tokenizer, filler.reshape(-1).tolist(), args.distances, args.trials or 10,
                           options["seed"])
@@ -211,7 +219,8 @@ def main() -> None:
         base = perplexity(teacher, long, batch_size=1)["ppl"]
         print(f"| teacher (full KV cache) | | {base:.3f} | 1.00x | | | |", flush=True)
         for memory in args.memory_sizes:
-            student = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, memory_size=memory).eval()
+            student = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, memory_size=memory,
+                                                           **override).eval()
             equal = equal_memory_window(student.config, teacher.config, sinks, _kv_dtype(student))
             ppl = perplexity(student, long, batch_size=1)["ppl"]
             del student

@@ -119,6 +119,9 @@ def _student_summary(cfg: dict) -> str:
         elif memory:
             parts.append(f"exact memory of {memory} tokens per key/value head beyond the window (rule "
                          f"{cfg.get('memory_rule', 'learned')})")
+        if cfg.get("memory_shared_layer") is not None:
+            parts.append(f"the layers after layer {cfg['memory_shared_layer']} also keep in their memory what its "
+                         "retention score ranks high")
         parts.append(f"window and memory keys/values stored in {cfg.get('kv_cache_dtype') or 'the model dtype'}")
     else:
         parts.append("no softmax window")

@@ -8,7 +8,8 @@
 The mixer defaults (4 query slots, learned decay, a gated 64-token softmax window with one sink token, a 128-token
 exact memory per KV head, window and memory keys/values stored in bfloat16) rest on the
 SmolLM2-135M ablation in docs/conversion.md: the sink and the window carry the quality, the W=64 rows are within
-noise of one another, and this one is the row measured end to end (stage 2 included). Only the SmolLM2-135M budget
+noise of one another, and this one is the row measured end to end. SmolLM2-135M also shares layer 6's retention
+score with the later layers (what moved passkey recall; docs/conversion.md). Only the SmolLM2-135M budget
 was measured; the other budgets are starting points sized for each teacher, not tuned values.
 """
 
