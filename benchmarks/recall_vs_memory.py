@@ -37,6 +37,8 @@ from pathlib import Path
 
 import torch
 
+from aaren_hf.conversion.cli import layer_or_none
+
 
 def _ints(text: str) -> list[int]:
     values = [int(v) for v in text.split(",") if v.strip()]
@@ -123,7 +125,7 @@ def main() -> None:
     parser.add_argument("--perplexity", type=int, default=0, metavar="N",
                         help="also score N held-out windows of --long-seq-len tokens at each M (0: recall only)")
     parser.add_argument("--long-seq-len", type=int, default=2048)
-    parser.add_argument("--memory-shared-layer", default=None, metavar="L",
+    parser.add_argument("--memory-shared-layer", type=layer_or_none, default=None, metavar="L",
                         help="override the student's memory_shared_layer (a layer index, or 'none': every layer "
                              "ranks on its own); default: the student's own")
     parser.add_argument("--ranks", action="store_true", help="also print where each layer ranks the key (see above)")
@@ -138,9 +140,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     override = {}
     if args.memory_shared_layer is not None:
-        if args.memory_shared_layer != "none" and not args.memory_shared_layer.isdigit():
-            parser.error(f"--memory-shared-layer takes a layer index or 'none', got {args.memory_shared_layer!r}")
-        override["memory_shared_layer"] = None if args.memory_shared_layer == "none" else int(args.memory_shared_layer)
+        override["memory_shared_layer"] = None if args.memory_shared_layer == "none" else args.memory_shared_layer
 
     from transformers import AutoModelForCausalLM
 

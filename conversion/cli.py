@@ -134,7 +134,7 @@ def convert_parser() -> argparse.ArgumentParser:
     g.add_argument("--memory-size", type=_int(0, 1 << 16), metavar="M",
                    help="exact-memory tier: per KV head, M tokens kept after they leave the window (needs "
                         "--window-size > 0; 0: none)")
-    g.add_argument("--memory-shared-layer", type=_layer_or_none, metavar="L",
+    g.add_argument("--memory-shared-layer", type=layer_or_none, metavar="L",
                    help="the layers after layer L also keep in their memory what layer L's retention score ranks "
                         "high ('none': every layer on its own; the smollm2-135m recipe: 6)")
     g.add_argument("--memory-rule", choices=("learned", "aaren"),
@@ -286,7 +286,8 @@ def options_from_args(args, parser):
     return opts
 
 
-def _layer_or_none(text: str):
+def layer_or_none(text: str):
+    """argparse type of a layer index or 'none' (kept as the string, so that None still means 'not given')."""
     if text == "none":
         return "none"
     if not text.isdigit():
