@@ -147,6 +147,74 @@ def scan_states(s, v, g, o_init, lse_init, C):
     return o.reshape(B, H, N * C, D)[:, :, :T], lse.reshape(B, H, N * C)[:, :, :T]
 
 
+def chunk_aaren_mixed(
+    s: torch.Tensor,
+    v: torch.Tensor,
+    mix: torch.Tensor,
+    g: Optional[torch.Tensor] = None,
+    initial_state: Optional[State] = None,
+    output_final_state: bool = False,
+    chunk_size: int = 64,
+):
+    """The model's read of the scan: per query head, its J slots' outputs mixed by ``mix``, the values shared by the
+    query heads of one kv head. Equals ``sum_j mix[..., j] * chunk_aaren_torch(s, v repeated per op head)`` without
+    ever forming the per-slot outputs [B, T, H * J, D] or the repeated values: inside a chunk the J slots' weight
+    matrices are mixed first (C x C each, no D), then one product per (kv head, chunk) reads v once.
+
+    s [B, T, Hkv * G * J] (op heads ordered kv head, query head in its group, slot), v [B, T, Hkv, D],
+    mix [B, T, Hkv * G, J] (rows sum to 1), g like s or None, state as in the op (per op head).
+    Returns (out [B, T, Hkv * G, D] in v's dtype, final state or None).
+    """
+    B, T, Hkv, D = v.shape
+    J = mix.shape[-1]
+    HJ = s.shape[-1]
+    G, C = HJ // (Hkv * J), chunk_size
+    acc = torch.float64 if v.dtype == torch.float64 else torch.float32
+    N = max(1, -(-T // C))
+    pad = N * C - T
+    s_ = F.pad(s.to(acc).transpose(1, 2), (0, pad), value=float("-inf")).view(B, HJ, N, C)
+    g_ = torch.zeros_like(s_) if g is None else F.pad(g.to(acc).transpose(1, 2), (0, pad)).view(B, HJ, N, C)
+    v_ = F.pad(v.to(acc).permute(0, 2, 1, 3), (0, 0, 0, pad)).view(B, Hkv, N, C, D)
+    mix_ = F.pad(mix.to(acc).permute(0, 2, 3, 1), (0, pad)).view(B, Hkv, G, J, N, C)
+    o_init, lse_init = initial_state if initial_state is not None else empty_state(B, HJ, D, v.device)
+    o_init, lse_init = o_init.to(acc), lse_init.to(acc)
+
+    b = torch.cumsum(g_, dim=-1)  # decay accumulated inside each chunk
+    logits = s_.unsqueeze(-2) + (b.unsqueeze(-1) - b.unsqueeze(-2))  # [B, HJ, N, C(t), C(i)], as scan_states
+    causal = torch.ones(C, C, dtype=torch.bool, device=v.device).tril()
+    logits = logits.masked_fill(~causal, float("-inf"))
+
+    # State entering each chunk: the scan over the chunks' own summaries (their last token without the carry).
+    last = logits[..., -1, :]  # [B, HJ, N, C]
+    m_last = last.amax(-1, keepdim=True).detach()
+    w_last = torch.exp(last - torch.where(torch.isfinite(m_last), m_last, torch.zeros_like(m_last)))
+    z = w_last.sum(-1)
+    nonempty = z > 0  # an empty chunk (every score -inf) has lse -inf, and no log(0) in its gradient
+    z_safe = torch.where(nonempty, z, torch.ones_like(z))
+    lse_sum = torch.where(nonempty, m_last.squeeze(-1) + torch.log(z_safe), torch.full_like(z, float("-inf")))
+    w_last = (w_last / z_safe.unsqueeze(-1)).view(B, Hkv, G * J, N, C)
+    o_sum = torch.matmul(w_last.transpose(2, 3), v_).transpose(2, 3)  # [B, Hkv, GJ, N, D]
+    o_scan, lse_scan = scan_states(lse_sum, o_sum.reshape(B, HJ, N, D), b[..., -1], o_init, lse_init, max(C, 16))
+    o_in = torch.cat([o_init.unsqueeze(2), o_scan[:, :, :-1]], 2)  # [B, HJ, N, D]
+    lse_in = torch.cat([lse_init.unsqueeze(2), lse_scan[:, :, :-1]], 2).unsqueeze(-1) + b  # [B, HJ, N, C]
+
+    # Token t of chunk n: weights exp(logits - m) on the chunk's tokens, exp(lse_in - m) on the carried state.
+    m = torch.maximum(logits.amax(-1), lse_in).detach()
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    weights = torch.exp(logits - m.unsqueeze(-1))
+    carry = torch.exp(lse_in - m)
+    total = (weights.sum(-1) + carry).clamp(min=1.0)  # the largest weight is 1 unless nothing is seen yet
+    share = mix_.view(B, HJ, N, C) / total  # [B, HJ, N, C]: slot j's share of query head h, over its normaliser
+    mixed = (weights * share.unsqueeze(-1)).view(B, Hkv, G, J, N, C, C).sum(3)  # [B, Hkv, G, N, C, C]
+    out = torch.matmul(mixed.transpose(2, 3).reshape(B, Hkv, N, G * C, C), v_)  # [B, Hkv, N, G * C, D]
+    carried = (carry * share).view(B, Hkv, G, J, N, C).permute(0, 1, 2, 4, 5, 3)  # [B, Hkv, G, N, C, J]
+    out = out.view(B, Hkv, N, G, C, D).transpose(2, 3) + torch.matmul(carried, o_in.view(B, Hkv, G, J, N, D)
+                                                                      .transpose(3, 4))
+    out = out.reshape(B, Hkv * G, N * C, D)[:, :, :T].transpose(1, 2).to(v.dtype)
+    final = (o_scan[:, :, -1], lse_scan[:, :, -1]) if output_final_state else None
+    return out, final
+
+
 def _over_sequences(fn, s, v, g, initial_state, output_final_state, cu_seqlens, *args):
     """Packed variable-length batch (B == 1): run each sequence on its own, each from its own initial state."""
     if s.shape[0] != 1:

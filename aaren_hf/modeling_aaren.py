@@ -24,7 +24,7 @@ from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from .aaren_scan import aaren_step, chunk_aaren_torch, empty_state, recurrent_aaren_torch
+from .aaren_scan import aaren_step, chunk_aaren_mixed, chunk_aaren_torch, empty_state, recurrent_aaren_torch
 from .configuration_aaren import AarenConfig
 
 try:  # Triton kernels on CUDA, when this package is installed; the PyTorch ops above serve everywhere else.
@@ -257,7 +257,7 @@ def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sin
     Queries go in blocks of Q = min(window, T); each block sees window - 1 + Q keys: O(T * window) memory, never
     T x T, and a decode step (T = 1) costs O(window).
     ``memory``: None, or the exact-memory tier as (keys [B, Hkv, C, D] rotated at their own positions, values,
-    visible [B, Hkv, T, C] bool) from :func:`memory_visibility`; its keys join the same softmax. Each block gathers
+    evict [B, Hkv, C], last [T + 1]) from :func:`memory_visibility`; its keys join the same softmax. Each block gathers
     only the candidates some query of the block sees (at most M + Q), so this part costs O(T * (M + Q)) too.
     Returns [B, T, H, D]; a token that sees no valid key (padding) gets 0.
     """
@@ -282,41 +282,47 @@ def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sin
     k_all = F.pad(k_all, (0, 0, 0, 0, 0, right))
     v_all = F.pad(v_all, (0, 0, 0, 0, 0, right))
     pos_all = F.pad(pos_all, (0, right), value=-1)
-    kb = k_all.unfold(1, L, Q).float()  # [B, n, Hkv, D, L]
-    vb = v_all.unfold(1, L, Q).float()
     pb = pos_all.unfold(1, L, Q)  # [B, n, L]
     qpos = F.pad(pos, (0, Tp - T), value=-1)
     qp = F.pad(q, (0, 0, 0, 0, 0, Tp - T))
-    qw = rotate(qp, qpos.clamp(min=0), inv_freq).float().view(B, nblk, Q, Hkv, G, D)
+    # queries [B, n, Hkv, G * Q, D], the scale folded in; keys and values of the window (then of the memory)
+    # [B, n, Hkv, keys, D]: one matmul per (block, kv head) serves its G query heads
+    qw = (rotate(qp, qpos.clamp(min=0), inv_freq).float() * scale).view(B, nblk, Q, Hkv, G, D)
+    qw = qw.permute(0, 1, 3, 4, 2, 5).reshape(B, nblk, Hkv, G * Q, D)
+    keys, values = [k_all.unfold(1, L, Q).transpose(-1, -2)], [v_all.unfold(1, L, Q).transpose(-1, -2)]
     qpos = qpos.view(B, nblk, Q)
-
-    scores = torch.einsum("bnrkgd,bnkdc->bnkgrc", qw, kb) * scale  # [B, n, Hkv, G, Q, L]
     r = torch.arange(Q, device=q.device).view(Q, 1)
     c = torch.arange(L, device=q.device).view(1, L)
     band = (c >= r) & (c <= r + W - 1)
-    valid = band & (pb.unsqueeze(2) >= 0) & (qpos.unsqueeze(-1) >= 0)  # [B, n, Q, L]
-    parts_scores, parts_valid = [scores], [valid.unsqueeze(2)]  # valid parts: [B, n, 1 or Hkv, Q, keys]
+    valid = [(band & (pb.unsqueeze(2) >= 0) & (qpos.unsqueeze(-1) >= 0)).unsqueeze(2).expand(B, nblk, Hkv, Q, L)]
+    if memory is not None:
+        mem_k, mem_v, mem_visible = _memory_blocks(*memory, pos >= 0, nblk, Q)  # [B, Hkv, n, K, D]
+        keys.append(mem_k.transpose(1, 2))
+        values.append(mem_v.transpose(1, 2))
+        valid.append(mem_visible.transpose(1, 2))  # [B, n, Hkv, Q, K]
+    if S > 0:
+        # sinks are seen from position min(p, S + W - 1), by queries rotated there: their S score columns are
+        # computed apart and written over the product's last S columns (zero keys), one softmax over them all
+        keys.append(sink_k.new_zeros(B, 1, Hkv, S, D).expand(B, nblk, Hkv, S, D))
+        values.append(sink_v.transpose(1, 2).unsqueeze(1).expand(B, nblk, Hkv, S, D))
+        sp = sink_pos.view(B, 1, 1, S)
+        sink_valid = (sp >= 0) & (sp <= qpos.unsqueeze(-1) - W) & (qpos.unsqueeze(-1) >= 0)  # [B, n, Q, S]
+        valid.append(sink_valid.unsqueeze(2).expand(B, nblk, Hkv, Q, S))
+    keys = (torch.cat(keys, 3) if len(keys) > 1 else keys[0]).float()
+    values = (torch.cat(values, 3) if len(values) > 1 else values[0]).float()
+    # a padding query (nothing valid) sees every key, so that its softmax stays finite; its output is zeroed below
+    query_valid = qpos >= 0  # [B, n, Q]
+    valid = (torch.cat(valid, -1) if len(valid) > 1 else valid[0]) | ~query_valid.view(B, nblk, 1, Q, 1)
+    scores = torch.matmul(qw, keys.transpose(-1, -2)).view(B, nblk, Hkv, G, Q, -1)
     if S > 0:
         qs_pos = qpos.reshape(B, Tp).clamp(min=0, max=S + W - 1)
-        qs = rotate(qp, qs_pos, inv_freq).float().view(B, nblk, Q, Hkv, G, D)
-        parts_scores.append(torch.einsum("bnrkgd,bskd->bnkgrs", qs, sink_k.float()) * scale)
-        sp = sink_pos.view(B, 1, 1, S)
-        parts_valid.append(((sp >= 0) & (sp <= qpos.unsqueeze(-1) - W) & (qpos.unsqueeze(-1) >= 0)).unsqueeze(2))
-    if memory is not None:
-        mem_k, mem_v, mem_visible = _memory_blocks(*memory, nblk, Q)
-        parts_scores.append(torch.einsum("bnrkgd,bkncd->bnkgrc", qw, mem_k.float()) * scale)
-        parts_valid.append(mem_visible.transpose(1, 2))  # [B, n, Hkv, Q, K]
-    heads = max(v.shape[2] for v in parts_valid)
-    scores = torch.cat(parts_scores, -1)
-    valid = torch.cat([v.expand(-1, -1, heads, -1, -1) for v in parts_valid], -1).unsqueeze(3)
-    scores = scores.masked_fill(~valid, torch.finfo(scores.dtype).min)
-    probs = torch.softmax(scores, -1) * valid.any(-1, keepdim=True)
-    out = torch.einsum("bnkgrc,bnkdc->bnrkgd", probs[..., :L], vb)
-    if S > 0:
-        out = out + torch.einsum("bnkgrs,bskd->bnrkgd", probs[..., L : L + S], sink_v.float())
-    if memory is not None:
-        out = out + torch.einsum("bnkgrc,bkncd->bnrkgd", probs[..., L + S :], mem_v.float())
-    return out.reshape(B, Tp, H, D)[:, :T].to(q.dtype)
+        qs = (rotate(qp, qs_pos, inv_freq).float() * scale).view(B, nblk, Q, Hkv, G, D).permute(0, 1, 3, 4, 2, 5)
+        scores[..., -S:] = torch.matmul(qs, sink_k.float().permute(0, 2, 3, 1).view(B, 1, Hkv, 1, D, S))
+    # -inf, not the lowest float: exp of that underflows to denormals, several times slower on CPUs
+    probs = torch.softmax(scores.masked_fill_(~valid.unsqueeze(3), float("-inf")), -1)
+    out = torch.matmul(probs.view(B, nblk, Hkv, G * Q, -1), values).view(B, nblk, Hkv, G, Q, D)
+    out = out.masked_fill(~query_valid.view(B, nblk, 1, 1, Q, 1), 0.0)
+    return out.permute(0, 1, 4, 2, 3, 5).reshape(B, Tp, H, D)[:, :T].to(q.dtype)
 
 
 def round_to_cache(x: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
@@ -334,8 +340,8 @@ def round_retention(score: torch.Tensor) -> torch.Tensor:
     return torch.round(score.float() * 64) / 64
 
 
-def memory_visibility(cand_pos, cand_score, first_stream, window, num_sinks, memory_size, query_valid):
-    """Which memory candidates each query sees, and which to keep for the next call.
+def memory_visibility(cand_pos, cand_score, first_stream, window, num_sinks, memory_size, T, block=None):
+    """When each memory candidate is in the memory: the rule the parallel path and token-by-token decoding share.
 
     Candidates [B, Hkv, C] are the memory held so far (the first ``first_stream``, always eligible) followed by the
     stream (the window entries held so far, then this call's T tokens, in order). Query i of this call sits at stream
@@ -346,41 +352,80 @@ def memory_visibility(cand_pos, cand_score, first_stream, window, num_sinks, mem
     returns, so the top set over (memory held + newly eligible) equals the top set over the whole past: the
     parallel path and token-by-token decoding see the same keys.
 
-    Returns (visible [B, Hkv, T, C] bool, keep [B, Hkv, C] bool: the top set for the next query, after this call).
+    So each candidate c is in the memory for one stretch of eligibility: from when it becomes eligible (candidate
+    index c) until ``evict[c]``, the first candidate index e at which M candidates among 0..e rank above it.
+    Returns (last [T + 1]: the last eligible candidate index of each query and of the query after this call, -1 for
+    none; evict [B, Hkv, C], -1 for candidates that are never in it). Query i sees c iff c <= last[i] < evict[c]
+    (:func:`memory_seen`).
+
+    ``evict`` comes from a sweep over the candidates in blocks that carries the current top set (at most M): each
+    block ranks M + block candidates against each other, so the cost is O(C * (M + block)), never C x C.
     """
     B, Hkv, C = cand_pos.shape
-    T = query_valid.shape[1]
+    M, device = memory_size, cand_pos.device
     P = C - first_stream - T
-    real = cand_pos >= num_sinks
-    # beats[c2, c]: candidate c2 ranks above c. cum[e, c]: how many of candidates 0..e rank above c.
-    s_hi, s_lo = cand_score.unsqueeze(-1), cand_score.unsqueeze(-2)
-    newer = cand_pos.unsqueeze(-1) > cand_pos.unsqueeze(-2)
-    beats = real.unsqueeze(-1) & ((s_hi > s_lo) | ((s_hi == s_lo) & newer))
-    cum = beats.cumsum(2, dtype=torch.int32)  # [B, Hkv, C(e), C(c)]
-    device = cand_pos.device
-    # last eligible candidate index for each query, and for the query after this call (stream index P + T)
     last = first_stream - 1 + (P + torch.arange(T + 1, device=device) - window + 1).clamp(min=0)
-    rank = cum.index_select(2, last.clamp(min=0))  # [B, Hkv, T + 1, C]
-    index = torch.arange(C, device=device)
-    top = real.unsqueeze(2) & (index <= last.view(-1, 1)) & (rank < memory_size)
-    visible = top[:, :, :T] & query_valid.view(B, 1, T, 1)
-    return visible, top[:, :, T]
+    real = cand_pos >= num_sinks
+    upto = int(last[-1]) + 1  # later candidates are seen by no query of this call
+    block = block or max(64, 2 * M)
+    # column C: an empty slot of the carried top set (never real, never ranks above anything)
+    pos_x = F.pad(cand_pos, (0, 1), value=-1)
+    score_x = F.pad(cand_score.float(), (0, 1), value=float("-inf"))
+    real_x = F.pad(real, (0, 1), value=False)
+    evict = torch.full((B, Hkv, C + 1), C, dtype=torch.long, device=device)
+    top = torch.full((B, Hkv, 0), C, dtype=torch.long, device=device)
+    for e0 in range(0, upto, block):
+        new = torch.arange(e0, min(e0 + block, upto), device=device).expand(B, Hkv, -1)
+        cand = torch.cat([top, new], 2)  # [B, Hkv, U]: the top set before this block, then the block
+        p, s, r = pos_x.gather(2, cand), score_x.gather(2, cand), real_x.gather(2, cand)
+        # beats[d, c]: candidate d ranks above candidate c
+        s_hi, s_lo = s.unsqueeze(-1), s.unsqueeze(-2)
+        beats = r.unsqueeze(-1) & ((s_hi > s_lo) | ((s_hi == s_lo) & (p.unsqueeze(-1) > p.unsqueeze(-2))))
+        # rank[e, c]: how many of (top set, block up to e) rank above c. Exact for the top set; for a block member
+        # the candidates before the block that rank above it are either in the top set or ranked below all of it,
+        # in which case the full top set ranks above it already: rank >= M either way.
+        held = top.shape[2]
+        rank = beats[:, :, :held].sum(2, keepdim=True, dtype=torch.int32) + beats[:, :, held:].cumsum(2, dtype=torch.int32)
+        out = rank >= M
+        leaves = out.any(2)
+        at = torch.maximum(e0 + out.to(torch.uint8).argmax(2), cand)  # a candidate leaves no earlier than it enters
+        evict.scatter_(2, torch.where(leaves, cand, C), at)
+        stays = r & ~leaves
+        order = torch.sort((~stays).to(torch.uint8), dim=-1, stable=True).indices[..., :M]
+        top = torch.where(stays.gather(2, order), cand.gather(2, order), C)
+    return last, torch.where(real, evict[..., :C], -1)
 
 
-def _memory_blocks(keys, values, visible, nblk, Q):
+def memory_seen(evict, last):
+    """[B, Hkv, len(last), C] bool: which candidates are in the memory of the queries whose last eligible candidate
+    index is ``last`` (:func:`memory_visibility`)."""
+    index = torch.arange(evict.shape[-1], device=evict.device)
+    last = last.view(-1, 1)
+    return (index <= last) & (last < evict.unsqueeze(-2))
+
+
+def _memory_blocks(keys, values, evict, last, query_valid, nblk, Q):
     """Per block of Q queries, gather the candidates some query of the block sees: at most M + Q of them (the block
     starts with at most M and each query adds at most the one token leaving its window). Returns keys and values
     [B, Hkv, n, K, D] and visible [B, Hkv, n, Q, K]."""
-    B, Hkv, T, C = visible.shape
-    visible = F.pad(visible, (0, 0, 0, nblk * Q - T)).view(B, Hkv, nblk, Q, C)
-    seen = visible.any(3)  # [B, Hkv, n, C]
+    B, Hkv, C = evict.shape
+    T = query_valid.shape[1]
+    last = last[:T]
+    # the block's queries have last indices lo..hi (last grows with the query): a candidate in the memory at any
+    # index in between is in the block's set, a superset of what its real queries see
+    lo, hi = last[::Q], last[(torch.arange(nblk, device=last.device) * Q + Q - 1).clamp(max=T - 1)]
+    index = torch.arange(C, device=evict.device)
+    seen = (index <= hi.view(-1, 1)) & (evict.unsqueeze(2) > lo.view(-1, 1))  # [B, Hkv, n, C]
     K = max(1, min(C, int(seen.sum(-1).max())))
     idx = torch.sort((~seen).to(torch.uint8), dim=-1, stable=True).indices[..., :K]  # seen candidates first
     D = keys.shape[-1]
     gather_idx = idx.unsqueeze(-1).expand(B, Hkv, nblk, K, D)
     k = torch.gather(keys.unsqueeze(2).expand(B, Hkv, nblk, C, D), 3, gather_idx)
     v = torch.gather(values.unsqueeze(2).expand(B, Hkv, nblk, C, D), 3, gather_idx)
-    vis = torch.gather(visible, 4, idx.unsqueeze(3).expand(B, Hkv, nblk, Q, K))
+    q_last = F.pad(last, (0, nblk * Q - T), value=-1).view(nblk, Q, 1)
+    ends = evict.unsqueeze(2).expand(B, Hkv, nblk, C).gather(3, idx).unsqueeze(3)  # [B, Hkv, n, 1, K]
+    vis = (idx.unsqueeze(3) <= q_last) & (q_last < ends)
+    vis = vis & F.pad(query_valid, (0, nblk * Q - T)).view(B, 1, nblk, Q, 1)
     return k, v, vis
 
 
@@ -534,26 +579,33 @@ class AarenMixer(nn.Module):
         carried = None
         if state is not None and state.aaren_o is not None:
             carried = (state.aaren_o, state.aaren_lse)
-        if T == 1 and carried is not None and not v.is_cuda and not torch.is_grad_enabled():
-            # decoding on the CPU, where a step costs its number of ops: the scan's step applied to the state, each
-            # kv head broadcast over its query heads and slots rather than copied to them
-            heads = (B, Hkv, -1)
-            o, (o_state, lse) = aaren_step((carried[0].view(*heads, D), carried[1].view(heads)), s.view(heads),
-                                           v.view(B, Hkv, 1, D), None if g is None else g.view(heads))
-            o, final = o.to(v.dtype), (o_state.view(B, H * J, D), lse.view(B, H * J))
+        mix = None  # [B, T, H, J]: how much each query head reads of its slots
+        if J > 1:
+            mix = torch.softmax(torch.einsum("bthd,hjd->bthj", q.float(), self.queries.float()) * self.scale, -1)
+        if not v.is_cuda and (T > 1 or carried is None or torch.is_grad_enabled()):
+            # the PyTorch scan: slots mixed inside each chunk, each kv head's values read once for its query heads
+            if mix is None:
+                mix = v.new_ones(B, T, H, 1, dtype=torch.float32)
+            o, final = chunk_aaren_mixed(s, v, mix, g, carried, state is not None, chunk_size=self.chunk_size)
         else:
-            vv = v.unsqueeze(3).expand(B, T, Hkv, H // Hkv * J, D).reshape(B, T, H * J, D)
-            if T == 1 and state is not None:
-                o, final = fused_recurrent_aaren(s, vv, g, carried, True)
-            else:
-                o, final = chunk_aaren(s, vv, g, carried, state is not None, chunk_size=self.chunk_size)
+            if not v.is_cuda:
+                # decoding on the CPU, where a step costs its number of ops: the scan's step applied to the state,
+                # each kv head broadcast over its query heads and slots rather than copied to them
+                heads = (B, Hkv, -1)
+                o, (o_state, lse) = aaren_step((carried[0].view(*heads, D), carried[1].view(heads)), s.view(heads),
+                                               v.view(B, Hkv, 1, D), None if g is None else g.view(heads))
+                o, final = o.to(v.dtype), (o_state.view(B, H * J, D), lse.view(B, H * J))
+            else:  # the Triton kernels, one op head per (query head, slot)
+                vv = v.unsqueeze(3).expand(B, T, Hkv, H // Hkv * J, D).reshape(B, T, H * J, D)
+                if T == 1 and state is not None:
+                    o, final = fused_recurrent_aaren(s, vv, g, carried, True)
+                else:
+                    o, final = chunk_aaren(s, vv, g, carried, state is not None, chunk_size=self.chunk_size)
+            o = o.view(B, T, H, J, D)
+            o = o.squeeze(3) if mix is None else (mix.unsqueeze(-1) * o.float()).sum(3)
         if state is not None:
             state.aaren_o, state.aaren_lse = final
-        o = o.view(B, T, H, J, D)
-        if J == 1:
-            return o.squeeze(3)
-        mix = torch.einsum("bthd,hjd->bthj", q.float(), self.queries.float()) * self.scale
-        return (torch.softmax(mix, -1).unsqueeze(-1) * o.float()).sum(3)
+        return o
 
     def slot_scores(self, k):
         """Aaren scores <k_t, c_hj> / sqrt(D) [B, T, H*J] float32 of keys k [B, T, Hkv, D]; op heads are (kv head,
@@ -681,11 +733,12 @@ class AarenMixer(nn.Module):
             values.append(state.memory_v)
             key_pos = torch.cat([key_pos, state.memory_pos], 2)
         keys = torch.cat(keys, 2).float()  # [B, Hkv, W + S + M, D]
-        scores = torch.matmul(qk[:, 0, :H].float().view(B, Hkv, G, D), keys.transpose(2, 3))
+        # the scale on the queries, before the product, as window_attention applies it (same rounding)
+        scores = torch.matmul(qk[:, 0, :H].float().view(B, Hkv, G, D) * self.scale, keys.transpose(2, 3))
         if S > 0:
-            sink_q = qk[:, 1, :H].float().view(B, Hkv, G, D)
+            sink_q = qk[:, 1, :H].float().view(B, Hkv, G, D) * self.scale
             scores[..., W : W + S] = torch.matmul(sink_q, keys[:, :, W : W + S].transpose(2, 3))
-        scores = (scores * self.scale).masked_fill((key_pos < 0).unsqueeze(2), torch.finfo(torch.float32).min)
+        scores = scores.masked_fill((key_pos < 0).unsqueeze(2), torch.finfo(torch.float32).min)
         out = torch.matmul(torch.softmax(scores, -1), torch.cat(values, 2).float()).view(B, 1, H, D)
         if lowest < 0:  # a padding token sees nothing
             out = out.masked_fill((p < 0).view(B, 1, 1, 1), 0.0)
@@ -741,10 +794,11 @@ class AarenMixer(nn.Module):
             held = M
         else:
             cand_k, cand_v, cand_pos, cand_score, held = stream_k, stream_v, stream_pos, stream_score.transpose(1, 2), 0
-        visible, keep = memory_visibility(cand_pos, cand_score, held, self.window, self.num_sinks, M, pos >= 0)
+        last, evict = memory_visibility(cand_pos, cand_score, held, self.window, self.num_sinks, M, T)
+        keep = memory_seen(evict, last[T:])[:, :, 0]
         candidates = {"k": cand_k, "v": cand_v, "pos": cand_pos, "score": cand_score, "keep": keep,
                       "stream_score": stream_score}
-        return (cand_k, cand_v, visible), candidates
+        return (cand_k, cand_v, evict, last), candidates
 
     def keep_memory(self, state, candidates, stored: torch.dtype):
         """Store the top set for the next query in M fixed slots (empty slots: position -1), so the state has the

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from aaren_hf.modeling_aaren import memory_visibility, rotate, round_retention
+from aaren_hf.modeling_aaren import memory_seen, memory_visibility, rotate, round_retention
 
 from .adapters import teacher_attention_scale, teacher_qkv
 
@@ -100,8 +100,8 @@ def _kept_by_memory(attn: torch.Tensor, scores: torch.Tensor, window: int, num_s
     B, H, T, _ = attn.shape
     Hkv = scores.shape[-1]
     pos = torch.arange(T).expand(B, Hkv, T)
-    kept, _ = memory_visibility(pos, round_retention(scores).transpose(1, 2), 0, window, num_sinks, memory_size,
-                                torch.ones(B, T, dtype=torch.bool))
+    last, evict = memory_visibility(pos, round_retention(scores).transpose(1, 2), 0, window, num_sinks, memory_size, T)
+    kept = memory_seen(evict, last[:T])
     return kept.repeat_interleave(H // Hkv, dim=1)
 
 

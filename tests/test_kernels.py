@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import aaren_hf.kernels as K
+from aaren_hf.aaren_scan import chunk_aaren_mixed
 from aaren_hf.kernels import chunk_aaren, chunk_aaren_torch, fused_recurrent_aaren, naive_aaren
 
 HAS_TRITON = K.triton_available()
@@ -265,6 +266,47 @@ def test_fully_masked(impl):
     res = run(fn, s, v, g, st, grads)
     torch.testing.assert_close(res["o"][0], st[0][0].expand(T, H, D), rtol=1e-5, atol=1e-5)
     compare(res, ref, 1e-9 if impl == "torch" else 1e-4, v, impl + " h0")
+
+
+# (B, T, Hkv, G, J, D, chunk_size, decay, h0): slots mixed inside the chunks, values shared per kv head
+MIXED_CASES = [(2, 37, 2, 3, 4, 8, 8, True, True), (1, 5, 1, 1, 1, 4, 64, False, False),
+               (2, 64, 3, 3, 2, 16, 16, True, False), (1, 100, 2, 2, 3, 8, 32, True, True), (1, 9, 1, 2, 2, 4, 1, True, True)]
+
+
+@pytest.mark.parametrize("case", MIXED_CASES, ids=lambda c: "B{}-T{}-Hkv{}-G{}-J{}-D{}-C{}-decay{}-h0{}".format(*c))
+def test_chunk_aaren_mixed_equals_the_scan_per_slot_then_mixed(case):
+    """The model's CPU read of the scan (aaren_scan.chunk_aaren_mixed) against chunk_aaren_torch per op head, values
+    repeated to the op heads, outputs mixed over the slots: outputs, final state and every gradient, float64. Row 0
+    starts with masked tokens, one head of row 1 is masked throughout."""
+    B, T, Hkv, G, J, D, C, decay, h0 = case
+    HJ = Hkv * G * J
+    gen = torch.Generator().manual_seed(7)
+    rnd = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)  # noqa: E731
+    s = rnd(B, T, HJ) * 3
+    s[0, : min(3, T)] = float("-inf")
+    if B > 1:
+        s[1, :, 0] = float("-inf")
+    v, mix = rnd(B, T, Hkv, D), torch.softmax(rnd(B, T, Hkv * G, J), -1)
+    g = F.logsigmoid(2 * rnd(B, T, HJ) + 1) if decay else None
+    st = (rnd(B, HJ, D), rnd(B, HJ)) if h0 else None
+    inputs = [x.requires_grad_() for x in (s, v, mix) + ((g,) if decay else ()) + (st or ())]
+    weights = (rnd(B, T, Hkv * G, D), rnd(B, HJ, D), rnd(B, HJ))
+
+    def loss(out, final):
+        lse = torch.where(torch.isfinite(final[1]), final[1], 0.0)
+        return (out * weights[0]).sum() + (final[0] * weights[1]).sum() + (lse * weights[2]).sum()
+
+    out, final = chunk_aaren_mixed(s, v, mix, g, st, True, chunk_size=C)
+    repeated = v.unsqueeze(3).expand(B, T, Hkv, G * J, D).reshape(B, T, HJ, D)
+    o, want_final = chunk_aaren_torch(s, repeated, g, st, True, chunk_size=C)
+    want = (mix.unsqueeze(-1) * o.view(B, T, Hkv * G, J, D)).sum(3)
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
+    torch.testing.assert_close(final, want_final, atol=1e-12, rtol=0)
+    got_grads = torch.autograd.grad(loss(out, final), inputs)
+    want_grads = torch.autograd.grad(loss(want, want_final), inputs)
+    for a, b in zip(got_grads, want_grads):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
 
 
 @needs_triton

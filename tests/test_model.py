@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from aaren_hf import AarenCache, AarenConfig
 from aaren_hf.aaren_scan import chunk_aaren_torch, recurrent_aaren_torch
 from aaren_hf.configuration_aaren import AAREN_FORMAT_VERSION
-from aaren_hf.modeling_aaren import AarenLayerState, AarenMixer
+from aaren_hf.modeling_aaren import AarenLayerState, AarenMixer, memory_seen, memory_visibility
 from helpers import (
     MIXER_CASES,
     brute_force_aaren,
@@ -37,6 +37,9 @@ def test_parallel_equals_incremental(case, monkeypatch):
     window_step = AarenMixer.window_step
     monkeypatch.setattr(AarenMixer, "window_step", lambda *args: steps.append(1) or window_step(*args))
     reference = None
+    # A 16-bit cache rounds each key: a last-bit difference between the two paths (their sums run in other orders)
+    # flips that rounding now and then, which moves the logits by up to about 4e-4 here; a float32 cache, 4e-6.
+    atol = 1e-3 if MIXER_CASES[case].get("kv_cache_dtype") else ATOL
     for chunk_size in (1, 3, 64):
         model = tiny_model(seed=0, chunk_size=chunk_size, **MIXER_CASES[case])
         with torch.no_grad():
@@ -49,7 +52,7 @@ def test_parallel_equals_incremental(case, monkeypatch):
         # chunk size only matters for multi-token pieces, so single steps throughout and a prompt shorter (3) than
         # the window run once
         for pieces in ((5, 7), (13,)) + (((), (3,)) if chunk_size == 3 else ()):
-            torch.testing.assert_close(incremental_logits(model, ids, pieces), full, atol=ATOL, rtol=0,
+            torch.testing.assert_close(incremental_logits(model, ids, pieces), full, atol=atol, rtol=0,
                                        msg=lambda m: f"chunk_size={chunk_size} pieces={pieces}: {m}")
         with torch.no_grad():  # causal: a prefix gives the prefix's logits
             torch.testing.assert_close(model(ids[:, :3]).logits, full[:, :3], atol=ATOL, rtol=0)
@@ -317,6 +320,35 @@ def test_memory_matches_brute_force(window, sinks, memory, splits):
     assert (flipped - want).abs().max() > 1e-2
 
 
+def test_memory_visibility_equals_ranking_every_query_by_brute_force():
+    """The sweep behind the memory (blocks carrying the top set, never C x C) against its definition: each query
+    sees, per kv head, the M best (score, then newer) real candidates that have left its window. Held entries
+    first (some empty), left padding, sinks, scores with many ties, block sizes from 1 up."""
+    g = torch.Generator().manual_seed(0)
+    for trial in range(60):
+        B, Hkv = 2, 2
+        T, P = int(torch.randint(1, 30, (1,), generator=g)), int(torch.randint(0, 5, (1,), generator=g))
+        first = int(torch.randint(0, 6, (1,), generator=g))
+        W, S, M = (int(torch.randint(lo, hi, (1,), generator=g)) for lo, hi in ((1, 8), (0, 3), (1, 7)))
+        C = first + P + T
+        pos = (torch.arange(C) - first + 10).expand(B, Hkv, C).clone()
+        pos[:, :, :first] = torch.randperm(10, generator=g)[:first] - 1  # held entries: older, -1 = empty slot
+        pos[0, :, first : first + 2] = -1  # left padding
+        score = torch.randint(0, 4, (B, Hkv, C), generator=g).float() / 64
+        block = int(torch.randint(1, 9, (1,), generator=g))
+        last, evict = memory_visibility(pos, score, first, W, S, M, T, block=block)
+        got = memory_seen(evict, last)  # [B, Hkv, T + 1, C]
+        want = torch.zeros_like(got)
+        for b in range(B):
+            for h in range(Hkv):
+                for i in range(T + 1):
+                    left = first - 1 + max(0, P + i - W + 1)
+                    eligible = [c for c in range(left + 1) if pos[b, h, c] >= S]
+                    eligible.sort(key=lambda c: (float(score[b, h, c]), int(pos[b, h, c])), reverse=True)
+                    want[b, h, i, eligible[:M]] = True
+        assert torch.equal(got, want), (trial, T, P, first, W, S, M, block)
+
+
 def test_shared_retention_keeps_the_top_tokens_by_the_larger_score():
     """memory_shared_layer=0: layer 1's memory holds, per KV head, the M tokens that have left the window with the
     highest max(own score, layer 0's best score over KV heads), by a brute-force sort; layer 0's memory is its own.
@@ -456,8 +488,9 @@ def test_scores_spanning_thousands_stay_finite():
         full = model(ids).logits
     step = incremental_logits(model, ids, (5,))
     assert torch.isfinite(full).all() and torch.isfinite(step).all()
-    # near-hard-max weights amplify last-bit differences of the scores (1000 * 1e-7): compare relatively
-    torch.testing.assert_close(step, full, atol=1e-3, rtol=1e-3)
+    # near-hard-max weights amplify last-bit differences of the scores (1000 * 1e-7) through the layers: the two
+    # paths differ by about 1.1e-3 at worst here (a change of summation order anywhere moves it by a few 1e-5)
+    torch.testing.assert_close(step, full, atol=2e-3, rtol=1e-3)
 
 
 def test_100k_tokens_through_chunked_prefill_and_recurrent_decode():
