@@ -219,6 +219,18 @@ class AarenConfig(PreTrainedConfig):
             **kwargs,
         )
 
+    @classmethod
+    def from_dict(cls, config_dict, **kwargs):
+        # from_pretrained(path, memory_size=..., ...) sets such overrides as attributes after __init__ has checked
+        # the saved values: check the result again, so that an override fails here with the same message as in
+        # __init__ rather than deep inside the model.
+        out = super().from_dict(config_dict, **kwargs)
+        config = out[0] if isinstance(out, tuple) else out
+        if isinstance(config.memory_size, tuple):
+            config.memory_size = list(config.memory_size)
+        config._validate()
+        return out
+
     def _validate(self):
         def positive(name, allow_zero=False):
             value = getattr(self, name)

@@ -638,7 +638,7 @@ class AarenMixer(nn.Module):
         if self.layer_idx == L:
             shared["retention"] = retention.amax(-1, keepdim=True)
             return retention
-        return torch.maximum(retention, shared["retention"]) if "retention" in shared else retention
+        return torch.maximum(retention, shared["retention"])  # the config guarantees layer L has a memory
 
     def window_branch(self, q, k, v, pos, state, retention=None):
         B, T, Hkv, D = k.shape

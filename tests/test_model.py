@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from aaren_hf import AarenCache, AarenConfig
+from aaren_hf import AarenCache, AarenConfig, AarenForCausalLM
 from aaren_hf.aaren_scan import chunk_aaren_torch, recurrent_aaren_torch
 from aaren_hf.configuration_aaren import AAREN_FORMAT_VERSION
 from aaren_hf.modeling_aaren import AarenLayerState, AarenMixer, memory_seen, memory_visibility
@@ -598,6 +598,21 @@ def test_bad_config_values_are_rejected(kwargs, message):
     with pytest.raises(ValueError, match=None) as err:
         tiny_config(**kwargs)
     assert message in str(err.value)
+
+
+@pytest.mark.parametrize("override,message", [
+    (dict(memory_size=-1), "memory_size must be an integer >= 0"),
+    (dict(memory_shared_layer=5), "a layer index from 0 to 0"),
+    (dict(window_size=0), "memory_size > 0 needs the window branch"),
+])
+def test_from_pretrained_overrides_are_checked_like_the_config(tmp_path, override, message):
+    tiny_model(window_size=4, memory_size=2).save_pretrained(tmp_path)
+    with pytest.raises(ValueError) as err:
+        AarenForCausalLM.from_pretrained(tmp_path, **override)
+    assert message in str(err.value)
+    # a valid override goes through, a tuple normalised as __init__ does
+    model = AarenForCausalLM.from_pretrained(tmp_path, memory_size=(3, 1))
+    assert model.config.memory_size == [3, 1] and model.model.layers[1].mixer.memory_size == 1
 
 
 def test_good_config_round_trips():
