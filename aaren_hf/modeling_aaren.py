@@ -763,15 +763,6 @@ class AarenMixer(nn.Module):
         enters = (out_pos >= S) & (out_score >= low)
         if not bool(enters.any()):  # once the memory is full, most tokens leave without entering it
             return
-        if bool((enters <= (low == float("-inf"))).all()):
-            # while the memory fills, an entering token takes the first empty slot (kept entries come first): what
-            # keep_memory would do, in a few ops
-            slot = (torch.arange(M, device=mem_pos.device) == (mem_pos >= 0).sum(-1, keepdim=True)) & enters
-            state.memory_k = torch.where(slot.unsqueeze(-1), state.window_k[:, :1].transpose(1, 2), state.memory_k)
-            state.memory_v = torch.where(slot.unsqueeze(-1), state.window_v[:, :1].transpose(1, 2), state.memory_v)
-            state.memory_pos = torch.where(slot, out_pos, mem_pos)
-            state.memory_score = torch.where(slot, out_score, mem_score)
-            return
         # the weakest: lowest score, then oldest (an empty slot while there is one: position -1, not real)
         weakest = mem_pos.masked_fill(mem_score != low, torch.iinfo(mem_pos.dtype).max).amin(-1, keepdim=True)
         stays = (mem_pos >= S) & ~(enters & (mem_pos == weakest))
@@ -830,9 +821,6 @@ class AarenMixer(nn.Module):
             candidates[n].detach().reshape(-1, D).index_select(0, rows).view(B, Hkv, M, D).to(stored) for n in "kv")
         state.memory_pos = candidates["pos"].gather(2, idx).masked_fill(~kept, -1)
         state.memory_score = candidates["score"].gather(2, idx).masked_fill(~kept, float("-inf"))
-        # an empty slot holds zeros, whichever path left it (offer_to_memory fills the first one in place)
-        state.memory_k = state.memory_k.masked_fill(~kept.unsqueeze(-1), 0.0)
-        state.memory_v = state.memory_v.masked_fill(~kept.unsqueeze(-1), 0.0)
 
 
 # ----------------------------------------------------------------------------------------------------------------
