@@ -106,6 +106,18 @@ def chunk_aaren_torch(
     return o.transpose(1, 2).to(v.dtype), (final if output_final_state else None)
 
 
+def chunk_logits(s, g):
+    """Log-weights inside each chunk: s, g [..., N, C] -> (logits [..., N, C(t), C(i)], b [..., N, C]), where
+    logits = s_i + b_t - b_i for i <= t (-inf above the diagonal) and b is the decay accumulated inside the chunk.
+    Built pairwise so that large decays never get added to and subtracted from a score (that would cost fp32
+    precision)."""
+    C = s.shape[-1]
+    b = torch.cumsum(g, dim=-1)
+    logits = s.unsqueeze(-2) + (b.unsqueeze(-1) - b.unsqueeze(-2))
+    causal = torch.ones(C, C, dtype=torch.bool, device=s.device).tril()
+    return logits.masked_fill(~causal, float("-inf")), b
+
+
 def scan_states(s, v, g, o_init, lse_init, C):
     """Inclusive scan in [B, H, T] layout: returns (o, lse) after every token, both [B, H, T(, D)]."""
     B, H, T, D = v.shape
@@ -116,14 +128,8 @@ def scan_states(s, v, g, o_init, lse_init, C):
         s = F.pad(s, (0, pad), value=float("-inf"))
         v = F.pad(v, (0, 0, 0, pad))
         g = F.pad(g, (0, pad))
-    s, v = s.reshape(B, H, N, C), v.reshape(B, H, N, C, D)
-    b = torch.cumsum(g.reshape(B, H, N, C), dim=-1)  # decay accumulated inside each chunk only
-
-    # Weight of token i seen from t (i <= t, same chunk): s_i + b_t - b_i. Built pairwise so that large decays
-    # never get added to and subtracted from a score (that would cost fp32 precision).
-    logits = s.unsqueeze(-2) + (b.unsqueeze(-1) - b.unsqueeze(-2))  # [B, H, N, C(t), C(i)]
-    causal = torch.ones(C, C, dtype=torch.bool, device=v.device).tril()
-    logits = logits.masked_fill(~causal, float("-inf"))
+    v = v.reshape(B, H, N, C, D)
+    logits, b = chunk_logits(s.reshape(B, H, N, C), g.reshape(B, H, N, C))
     m = logits.amax(dim=-1, keepdim=True).detach()
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     a = torch.exp(logits - m)  # entries <= 1
@@ -179,10 +185,7 @@ def chunk_aaren_mixed(
     o_init, lse_init = initial_state if initial_state is not None else empty_state(B, HJ, D, v.device)
     o_init, lse_init = o_init.to(acc), lse_init.to(acc)
 
-    b = torch.cumsum(g_, dim=-1)  # decay accumulated inside each chunk
-    logits = s_.unsqueeze(-2) + (b.unsqueeze(-1) - b.unsqueeze(-2))  # [B, HJ, N, C(t), C(i)], as scan_states
-    causal = torch.ones(C, C, dtype=torch.bool, device=v.device).tril()
-    logits = logits.masked_fill(~causal, float("-inf"))
+    logits, b = chunk_logits(s_, g_)  # [B, HJ, N, C(t), C(i)], [B, HJ, N, C]
 
     # State entering each chunk: the scan over the chunks' own summaries (their last token without the carry).
     last = logits[..., -1, :]  # [B, HJ, N, C]
