@@ -37,15 +37,16 @@ def empty_state(batch: int, heads: int, head_dim: int, device=None) -> State:
 
 
 def merge_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor) -> State:
-    """Combine two disjoint sets of tokens given as (mean value, log normaliser). Empty sets have lse = -inf."""
+    """Combine two disjoint sets of tokens given as (mean value, log normaliser). Empty sets have lse = -inf; the
+    first one's mean must then be 0 (two empty sets give o_a)."""
     m = torch.maximum(lse_a, lse_b).detach()
     m_safe = m.clamp(min=torch.finfo(m.dtype).min)  # both empty: weights exp(-inf - finite) = 0, not -inf - -inf
     w_a = torch.exp(lse_a - m_safe)
     w_b = torch.exp(lse_b - m_safe)
     # the larger side weighs exp(0) = 1, so w >= 1 unless both are empty (w = 0: divide by 1, lse = m = -inf)
     w = (w_a + w_b).clamp(min=1.0)
-    o = (w_a.unsqueeze(-1) * o_a + w_b.unsqueeze(-1) * o_b) / w.unsqueeze(-1)
-    return o, m + torch.log(w)
+    # o_a + (w_b / w) (o_b - o_a): one op for the mixture (a share of 1, the empty a, gives o_b exactly)
+    return torch.lerp(o_a, o_b, (w_b / w).unsqueeze(-1)), m + torch.log(w)
 
 
 def aaren_step(state: State, s: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor] = None):
@@ -149,7 +150,8 @@ def scan_states(s, v, g, o_init, lse_init, C):
         o_sum, lse_sum = scan_states(*summaries, o_init, lse_init, max(C, 16))
         o_in = torch.cat([o_init.unsqueeze(2), o_sum[:, :, :-1]], 2)
         lse_in = torch.cat([lse_init.unsqueeze(2), lse_sum[:, :, :-1]], 2)
-    o, lse = merge_states(o_loc, lse_loc, o_in.unsqueeze(3).expand_as(o_loc), lse_in.unsqueeze(3) + b)
+    # the carried state first, as aaren_step merges it with a token: the same rounding
+    o, lse = merge_states(o_in.unsqueeze(3).expand_as(o_loc), lse_in.unsqueeze(3) + b, o_loc, lse_loc)
     return o.reshape(B, H, N * C, D)[:, :, :T], lse.reshape(B, H, N * C)[:, :, :T]
 
 

@@ -325,14 +325,19 @@ def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sin
     return out.permute(0, 1, 4, 2, 3, 5).reshape(B, Tp, H, D)[:, :T].to(q.dtype)
 
 
-def round_to_cache(x: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
-    """x as a cache stored in ``dtype`` gives it back (None: unchanged). float16 saturates at its largest finite value
-    rather than overflowing to inf."""
+def to_cache(x: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """x as a cache stores it in ``dtype`` (None: unchanged). float16 saturates at its largest finite value rather
+    than overflowing to inf."""
     if dtype is None or dtype == x.dtype:
         return x
     if dtype == torch.float16:
         x = x.clamp(-65504.0, 65504.0)
-    return x.to(dtype).to(x.dtype)
+    return x.to(dtype)
+
+
+def round_to_cache(x: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """x as a cache stored in ``dtype`` gives it back (None: unchanged)."""
+    return to_cache(x, dtype).to(x.dtype)
 
 
 def round_retention(score: torch.Tensor) -> torch.Tensor:
@@ -541,13 +546,12 @@ class AarenMixer(nn.Module):
             retention = None
             if self.memory_size > 0:
                 retention = self.share_retention(self.retention_score(x, s), shared)
-            o_win = self.window_branch(q, k, v, pos, state, retention)
+            o_win = self.window_branch(q, k, v, pos, state, retention, shared)
             if not self.aaren_branch:
                 o = o_win
             else:
                 gate = self.window_gate if hasattr(self, "window_gate") else self.gate_proj(x)
-                gate = torch.sigmoid(gate.float()).unsqueeze(-1)
-                o = gate * o_win.float() + (1 - gate) * o.float()
+                o = torch.lerp(o.float(), o_win.float(), torch.sigmoid(gate.float()).unsqueeze(-1))
         return self.o_proj(o.to(x.dtype).reshape(B, T, H * D))
 
     def keys(self, x):
@@ -581,7 +585,8 @@ class AarenMixer(nn.Module):
             carried = (state.aaren_o, state.aaren_lse)
         mix = None  # [B, T, H, J]: how much each query head reads of its slots
         if J > 1:
-            mix = torch.softmax(torch.einsum("bthd,hjd->bthj", q.float(), self.queries.float()) * self.scale, -1)
+            mix = torch.matmul(q.float().transpose(1, 2), self.queries.float().transpose(1, 2)).transpose(1, 2)
+            mix = torch.softmax(mix * self.scale, -1)
         if not v.is_cuda and (T > 1 or carried is None or torch.is_grad_enabled()):
             # the PyTorch scan: slots mixed inside each chunk, each kv head's values read once for its query heads
             if mix is None:
@@ -612,7 +617,8 @@ class AarenMixer(nn.Module):
         query head in its group, slot), so query head h reads kv head h // G."""
         B, T, Hkv, D = k.shape
         c = self.queries.view(Hkv, -1, D)
-        return torch.einsum("btkd,kjd->btkj", k.float(), c.float()).reshape(B, T, -1) * self.scale
+        s = torch.matmul(k.float().transpose(1, 2), c.float().transpose(1, 2))  # [B, Hkv, T, G * J]
+        return s.transpose(1, 2).reshape(B, T, -1) * self.scale
 
     def retention_score(self, x, aaren_scores):
         """[B, T, Hkv] float32: how much each token deserves a place in the memory once it leaves the window.
@@ -640,10 +646,10 @@ class AarenMixer(nn.Module):
             return retention
         return torch.maximum(retention, shared["retention"])  # the config guarantees layer L has a memory
 
-    def window_branch(self, q, k, v, pos, state, retention=None):
+    def window_branch(self, q, k, v, pos, state, retention=None, shared: Optional[dict] = None):
         B, T, Hkv, D = k.shape
         if self.steps_one_token(state, T):
-            return self.window_step(q, k, v, pos, state, retention)
+            return self.window_step(q, k, v, pos, state, retention, shared)
         # every path (training, prefill, decoding) computes on the keys/values as the cache stores them
         k = round_to_cache(rotate(k, pos.clamp(min=0), self.rope_inv_freq), self.kv_cache_dtype)
         v = round_to_cache(v, self.kv_cache_dtype)
@@ -690,30 +696,23 @@ class AarenMixer(nn.Module):
         return (T == 1 and self.window > 1 and state is not None and state.window_k is not None
                 and state.window_k.shape[1] == self.window - 1 and not torch.is_grad_enabled())
 
-    def window_step(self, q, k, v, pos, state, retention=None):
-        """:meth:`window_branch` for one token once the window is full (decoding), in far fewer ops: one softmax over
-        [window, token, sinks, memory], the window shifted by one, and the entry leaving it offered to the memory.
-        Same outputs (to float rounding) and the same state as the general path, which the tests check against this
-        one."""
+    def window_step(self, q, k, v, pos, state, retention=None, shared: Optional[dict] = None):
+        """:meth:`window_branch` for one token once the window is full (decoding), in far fewer ops: one fused
+        attention over [window, token, sinks, memory], the window shifted by one, and the entry leaving it offered to
+        the memory. Same outputs (to float rounding) and the same state as the general path, which the tests check
+        against this one."""
         B, _, Hkv, D = k.shape
         H, W, S, M = self.num_heads, self.window, self.num_sinks, self.memory_size
-        G, p = H // Hkv, pos[:, 0]
+        p = pos[:, 0]
         stored = state.window_k.dtype
         # Rare cases, checked on the host (the general path syncs too): a padding token, or one so early (after left
         # padding) that it fills a sink slot or still has the sinks in its window.
         lowest = int(p.min())
         early = S > 0 and lowest < S + W - 1
-        # q and k rotated together at the token's position (the key's angles computed as window_branch computes
-        # them, so that it is stored bit for bit the same); second row: q where the sinks are seen from
-        cos, sin = rotary_angles(pos.clamp(min=0), self.rope_inv_freq)
-        qk = torch.cat([q, k], 2)
-        if S > 0:
-            cos_sink, sin_sink = rotary_angles(pos.clamp(min=0, max=S + W - 1), self.rope_inv_freq)
-            cos, sin = torch.cat([cos, cos_sink], 1), torch.cat([sin, sin_sink], 1)
-            qk = qk.expand(B, 2, H + Hkv, D)
-        qk = rotate_by(qk, cos, sin)
-        k = round_to_cache(qk[:, :1, H:], self.kv_cache_dtype).to(stored)
-        v = round_to_cache(v, self.kv_cache_dtype).to(stored)
+        (cos, sin), sink_angles = self.step_angles(pos, shared)
+        qk = rotate_by(torch.cat([q, k], 2), cos, sin)  # q and k at the token's position
+        k = to_cache(qk[:, :, H:], self.kv_cache_dtype).to(stored)
+        v = to_cache(v, self.kv_cache_dtype).to(stored)
         win_k, win_v = torch.cat([state.window_k, k], 1), torch.cat([state.window_v, v], 1)  # [B, W, Hkv, D]
         win_pos = torch.cat([state.window_pos, pos], 1)
         sink_k, sink_v, sink_pos = state.sink_k, state.sink_v, state.sink_pos
@@ -726,20 +725,22 @@ class AarenMixer(nn.Module):
             seen_sink_pos = sink_pos.masked_fill(sink_pos > p.unsqueeze(1) - W, -1)  # still inside the window
         # Visible: every key with a position >= 0 (-1: padding, an empty slot). Every memory entry is among the M
         # best of the tokens that have left the window, as the query needs.
+        keys = [win_k.transpose(1, 2).float(), sink_k.transpose(1, 2).float(), None]
+        values = [win_v.transpose(1, 2), sink_v.transpose(1, 2)]
         key_pos = torch.cat([win_pos, seen_sink_pos], 1).unsqueeze(1).expand(B, Hkv, W + S)
-        keys, values = [win_k.transpose(1, 2), sink_k.transpose(1, 2)], [win_v.transpose(1, 2), sink_v.transpose(1, 2)]
+        if S > 0:
+            # a sink is seen from min(p, S + W - 1): <R(that) q, k> = <R(p) q, R(p - that) k>, so one query serves
+            # every key once the sink keys are turned on by p - min(p, S + W - 1)
+            keys[1] = rotate_by(keys[1], *sink_angles)
         if M > 0:
-            keys.append(state.memory_k)
+            keys[2] = state.memory_k.float()
             values.append(state.memory_v)
             key_pos = torch.cat([key_pos, state.memory_pos], 2)
-        keys = torch.cat(keys, 2).float()  # [B, Hkv, W + S + M, D]
-        # the scale on the queries, before the product, as window_attention applies it (same rounding)
-        scores = torch.matmul(qk[:, 0, :H].float().view(B, Hkv, G, D) * self.scale, keys.transpose(2, 3))
-        if S > 0:
-            sink_q = qk[:, 1, :H].float().view(B, Hkv, G, D) * self.scale
-            scores[..., W : W + S] = torch.matmul(sink_q, keys[:, :, W : W + S].transpose(2, 3))
-        scores = scores.masked_fill((key_pos < 0).unsqueeze(2), torch.finfo(torch.float32).min)
-        out = torch.matmul(torch.softmax(scores, -1), torch.cat(values, 2).float()).view(B, 1, H, D)
+        keys = torch.cat([t for t in keys if t is not None], 2)  # [B, Hkv, W + S + M, D]
+        visible = (key_pos >= 0).repeat_interleave(H // Hkv, 1).unsqueeze(2)  # [B, H, 1, keys]
+        out = F.scaled_dot_product_attention(qk[:, :, :H].float().transpose(1, 2), keys, torch.cat(values, 2).float(),
+                                             attn_mask=visible, scale=self.scale, enable_gqa=True)
+        out = out.transpose(1, 2)  # [B, 1, H, D]
         if lowest < 0:  # a padding token sees nothing
             out = out.masked_fill((p < 0).view(B, 1, 1, 1), 0.0)
 
@@ -750,10 +751,31 @@ class AarenMixer(nn.Module):
         state.sink_k, state.sink_v, state.sink_pos = sink_k, sink_v, sink_pos
         return out.to(q.dtype)
 
+    def step_angles(self, pos, shared: Optional[dict]):
+        """((cos, sin) at the token's position, (cos, sin) of the turn of the sink keys or None), each [B, 1, 1, rot],
+        for :meth:`window_step`; the first computed as window_branch computes them, so that the key is stored bit
+        for bit the same. Every layer with the same frequencies and window needs the same ones: computed once per
+        pass (``shared``)."""
+        S, W = self.num_sinks, self.window
+        key = (S + W - 1) if S > 0 else None
+        known = [] if shared is None else shared.setdefault("step_angles", [])
+        for inv_freq, k, angles in known:
+            if k == key and inv_freq.device == self.rope_inv_freq.device and torch.equal(inv_freq, self.rope_inv_freq):
+                return angles
+        at_token = rotary_angles(pos.clamp(min=0), self.rope_inv_freq)
+        sink_turn = None if S == 0 else rotary_angles((pos - (S + W - 1)).clamp(min=0), self.rope_inv_freq)
+        known.append((self.rope_inv_freq, key, (at_token, sink_turn)))
+        return at_token, sink_turn
+
     def offer_to_memory(self, state, stored: torch.dtype):
         """The oldest window entry leaves the window (the step of :meth:`window_step`): it enters the memory if it
         ranks among the M best of the tokens that have left (memory_visibility's rule), i.e. if a slot is empty or
-        it beats the weakest entry, which it then evicts. It is newer than every entry, so it wins ties."""
+        it beats the weakest entry, which it then evicts. It is newer than every entry, so it wins ties.
+
+        The slots end up in :meth:`keep_memory`'s order (kept first, in candidate order: the memory, then the
+        newcomer) without its sort: a full memory closes the gap of the entry it evicts and takes the newcomer
+        last; a filling one (entries in front, empty slots after them) takes it into its first empty slot and moves
+        the empty slots after that one up by one."""
         M, S = self.memory_size, self.num_sinks
         mem_pos, mem_score = state.memory_pos, state.memory_score  # [B, Hkv, M]
         B, Hkv = mem_pos.shape[:2]
@@ -763,16 +785,18 @@ class AarenMixer(nn.Module):
         enters = (out_pos >= S) & (out_score >= low)
         if not bool(enters.any()):  # once the memory is full, most tokens leave without entering it
             return
-        # the weakest: lowest score, then oldest (an empty slot while there is one: position -1, not real)
-        weakest = mem_pos.masked_fill(mem_score != low, torch.iinfo(mem_pos.dtype).max).amin(-1, keepdim=True)
-        stays = (mem_pos >= S) & ~(enters & (mem_pos == weakest))
-        candidates = {
+        # the weakest slot: lowest score, then oldest; argmin takes the first, so an empty slot (position -1) is the
+        # first empty one
+        weakest = mem_pos.masked_fill(mem_score != low, torch.iinfo(mem_pos.dtype).max).argmin(-1, keepdim=True)
+        filling = mem_pos.gather(2, weakest) < 0
+        slot = torch.arange(M, device=mem_pos.device)
+        moved = torch.where(filling, torch.where(slot == weakest, M, slot - 1), slot + 1)
+        candidates = {  # index M: the newcomer
             "k": torch.cat([state.memory_k, state.window_k[:, :1].transpose(1, 2)], 2),
             "v": torch.cat([state.memory_v, state.window_v[:, :1].transpose(1, 2)], 2),
             "pos": torch.cat([mem_pos, out_pos], 2), "score": torch.cat([mem_score, out_score], 2),
-            "keep": torch.cat([stays, enters], 2),
         }
-        self.keep_memory(state, candidates, stored)
+        self.fill_memory(state, candidates, torch.where(enters & (slot >= weakest), moved, slot), stored)
 
     def memory_candidates(self, k, v, pos, retention, k_prev, v_prev, pos_prev, state):
         """The memory tier's candidates (memory held + window entries held + this call's tokens) and what each query
@@ -813,14 +837,22 @@ class AarenMixer(nn.Module):
                 widths = (0, 0, 0, pad) if t.dim() == 4 else (0, pad)
                 candidates[name] = F.pad(t, widths, value=value)
         idx = torch.sort((~keep).to(torch.uint8), dim=-1, stable=True).indices[..., :M]  # kept ones first
+        self.fill_memory(state, candidates, idx, stored)
         kept = keep.gather(2, idx)
+        state.memory_pos = state.memory_pos.masked_fill(~kept, -1)
+        state.memory_score = state.memory_score.masked_fill(~kept, float("-inf"))
+
+    @staticmethod
+    def fill_memory(state, candidates, idx, stored: torch.dtype):
+        """Memory slot m of row (b, h) takes candidate idx[b, h, m]; keys and values in ``stored``."""
+        B, Hkv, M = idx.shape
         C, D = candidates["k"].shape[2:]
         # keys and values move as whole rows of [B * Hkv * C, D]: index_select copies rows, far faster than a gather
         rows = (idx + torch.arange(0, B * Hkv * C, C, device=idx.device).view(B, Hkv, 1)).flatten()
         state.memory_k, state.memory_v = (
             candidates[n].detach().reshape(-1, D).index_select(0, rows).view(B, Hkv, M, D).to(stored) for n in "kv")
-        state.memory_pos = candidates["pos"].gather(2, idx).masked_fill(~kept, -1)
-        state.memory_score = candidates["score"].gather(2, idx).masked_fill(~kept, float("-inf"))
+        state.memory_pos = candidates["pos"].gather(2, idx)
+        state.memory_score = candidates["score"].gather(2, idx)
 
 
 # ----------------------------------------------------------------------------------------------------------------
