@@ -737,10 +737,10 @@ class AarenMixer(nn.Module):
             values.append(state.memory_v)
             key_pos = torch.cat([key_pos, state.memory_pos], 2)
         keys = torch.cat([t for t in keys if t is not None], 2)  # [B, Hkv, W + S + M, D]
-        visible = (key_pos >= 0).repeat_interleave(H // Hkv, 1).unsqueeze(2)  # [B, H, 1, keys]
-        out = F.scaled_dot_product_attention(qk[:, :, :H].float().transpose(1, 2), keys, torch.cat(values, 2).float(),
-                                             attn_mask=visible, scale=self.scale, enable_gqa=True)
-        out = out.transpose(1, 2)  # [B, 1, H, D]
+        # each kv head's G query heads as G query rows: [B, Hkv, G, D] against [B, Hkv, keys, D]
+        out = F.scaled_dot_product_attention(qk[:, 0, :H].float().view(B, Hkv, H // Hkv, D), keys,
+                                             torch.cat(values, 2).float(), attn_mask=(key_pos >= 0).unsqueeze(2),
+                                             scale=self.scale).view(B, 1, H, D)
         if lowest < 0:  # a padding token sees nothing
             out = out.masked_fill((p < 0).view(B, 1, 1, 1), 0.0)
 

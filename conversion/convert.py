@@ -435,6 +435,26 @@ def _prepare_work(opts: ConvertOptions, output: Path, work: Path, teacher_id: st
         raise
 
 
+class _Absent:
+    def __repr__(self):
+        return "(not recorded)"
+
+
+_ABSENT = _Absent()
+
+
+def _flat(options: dict) -> dict:
+    """Options with nested ones (mixer, stage1, stage2) as "mixer.window_size", so that a difference names the one
+    option that differs."""
+    flat = {}
+    for key, value in options.items():
+        if isinstance(value, dict):
+            flat.update({f"{key}.{inner}": v for inner, v in value.items()})
+        else:
+            flat[key] = value
+    return flat
+
+
 def _prepare_run_file(opts: ConvertOptions, work: Path, teacher_id: str) -> bool:
     run_file = work / RUN_FILE
     if opts.resume:
@@ -443,13 +463,17 @@ def _prepare_run_file(opts: ConvertOptions, work: Path, teacher_id: str) -> bool
                 f"--resume: no interrupted conversion to resume in {work} (no {RUN_FILE}); run without --resume"
             )
         previous = json.loads(run_file.read_text())
-        mine = json.loads(json.dumps(opts.fingerprint()))
-        diff = sorted(k for k in set(previous["options"]) | set(mine) if previous["options"].get(k) != mine.get(k))
+        theirs, mine = _flat(previous["options"]), _flat(json.loads(json.dumps(opts.fingerprint())))
+        diff = sorted(k for k in set(theirs) | set(mine) if theirs.get(k, _ABSENT) != mine.get(k, _ABSENT))
         if diff:
-            details = "; ".join(f"{k}: {previous['options'].get(k)!r} -> {mine.get(k)!r}" for k in diff[:6])
+            details = "; ".join(f"{k}: {theirs.get(k, _ABSENT)!r} -> {mine.get(k, _ABSENT)!r}" for k in diff[:6])
+            # an option the run never recorded came with a later version: what the run did instead is unknown
+            unknown = [k for k in diff if k not in theirs]
+            older = (f" The interrupted run was started by an older aaren-convert, before {', '.join(unknown)} "
+                     f"existed; it cannot be resumed by this one.") if unknown else ""
             raise ConversionError(
-                f"--resume: the options differ from the interrupted run in {work} ({details}). Resume with the same "
-                f"options, or start over with --overwrite."
+                f"--resume: the options differ from the interrupted run in {work} ({details}).{older} Resume with "
+                f"the same options, or start over with --overwrite."
             )
         # a run.json written before fingerprints were recorded has no "inputs": nothing to compare
         changed = _changed_inputs(previous["inputs"], _fingerprints(opts, teacher_id)) if "inputs" in previous else []

@@ -86,13 +86,23 @@ def test_resume_refuses_changed_options(tiny, tmp_path):
 
     teacher, data, _ = tiny
     out = tmp_path / "o"
-    opts = tiny_options(teacher, data, out, stage2={"steps": 0}, stage1={"steps": 2}, keep_work=True)
+    same = dict(stage2={"steps": 0}, stage1={"steps": 2})
+    opts = tiny_options(teacher, data, out, keep_work=True, **same)
     convert(opts)
     work = out.with_name("o.work")
     assert (work / "run.json").is_file()
     (out / "config.json").unlink()  # pretend the output is incomplete; resume must still check the options
     with pytest.raises(ConversionError, match="options differ.*seq_len"):
-        convert(tiny_options(teacher, data, out, seq_len=32, resume=True))
+        convert(tiny_options(teacher, data, out, seq_len=32, resume=True, **same))
+    with pytest.raises(ConversionError, match=r"\(mixer\.window_size: \d+ -> 5\)"):  # names the one nested option
+        convert(tiny_options(teacher, data, out, mixer=dict(opts.mixer, window_size=5), resume=True, **same))
+    # a run.json from a version that had no such option: refused (what the run did instead is unknown), and said so
+    run = json.loads((work / "run.json").read_text())
+    del run["options"]["mixer"]["window_gate"], run["options"]["long_seq_len"]
+    (work / "run.json").write_text(json.dumps(run))
+    with pytest.raises(ConversionError, match=r"long_seq_len: \(not recorded\) -> .*older aaren-convert, before "
+                                              r"long_seq_len, mixer\.window_gate existed"):
+        convert(tiny_options(teacher, data, out, resume=True, **same))
 
 
 def _parts(tiny):
