@@ -118,6 +118,24 @@ def test_decode_step_equals_general_path(case, kv_cache_dtype, monkeypatch):
         assert calls["aaren"] == (steps if mixer.aaren_branch else 0)
 
 
+@pytest.mark.parametrize("case", ["window_sinks", "memory_learned"])
+def test_decode_step_angles_are_shared_only_between_layers_with_the_same_frequencies(case):
+    """The decode step computes its rotary angles once per pass for the layers that have the same frequencies and
+    window; a layer with other frequencies (Gemma-3's local and global layers) must get its own. Layer 1 here
+    rotates at half the frequencies of layer 0: token-by-token decoding still equals the parallel pass, and it
+    differs from the model where both layers share layer 0's (so the test sees a wrongly shared angle)."""
+    ids = random_ids(2, 13, seed=4)
+    logits = {}
+    for name, factor in (("own", 0.5), ("same", 1.0)):
+        model = tiny_model(seed=0, **MIXER_CASES[case])
+        with torch.no_grad():
+            model.model.layers[1].mixer.rope_inv_freq.mul_(factor)
+            full = model(ids, use_cache=False).logits
+        torch.testing.assert_close(incremental_logits(model, ids, (2,)), full, atol=ATOL, rtol=0)
+        logits[name] = full
+    assert (logits["own"] - logits["same"]).abs().max() > 100 * ATOL
+
+
 @pytest.mark.parametrize("case", ["paper", "everything", "memory_gate_input_decay"])
 def test_long_prefill_goes_in_pieces_and_equals_one_pass(case, monkeypatch):
     """A prompt longer than PREFILL_CHUNK runs through the stack in pieces carrying the cache: same logits and
