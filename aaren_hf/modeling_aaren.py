@@ -725,7 +725,7 @@ class AarenMixer(nn.Module):
             seen_sink_pos = sink_pos.masked_fill(sink_pos > p.unsqueeze(1) - W, -1)  # still inside the window
         # Visible: every key with a position >= 0 (-1: padding, an empty slot). Every memory entry is among the M
         # best of the tokens that have left the window, as the query needs.
-        keys = [win_k.transpose(1, 2).float(), sink_k.transpose(1, 2).float(), None]
+        keys = [win_k.transpose(1, 2).float(), sink_k.transpose(1, 2).float()]
         values = [win_v.transpose(1, 2), sink_v.transpose(1, 2)]
         key_pos = torch.cat([win_pos, seen_sink_pos], 1).unsqueeze(1).expand(B, Hkv, W + S)
         if S > 0:
@@ -733,10 +733,10 @@ class AarenMixer(nn.Module):
             # every key once the sink keys are turned on by p - min(p, S + W - 1)
             keys[1] = rotate_by(keys[1], *sink_angles)
         if M > 0:
-            keys[2] = state.memory_k.float()
+            keys.append(state.memory_k.float())
             values.append(state.memory_v)
             key_pos = torch.cat([key_pos, state.memory_pos], 2)
-        keys = torch.cat([t for t in keys if t is not None], 2)  # [B, Hkv, W + S + M, D]
+        keys = torch.cat(keys, 2)  # [B, Hkv, W + S + M, D]
         # each kv head's G query heads as G query rows: [B, Hkv, G, D] against [B, Hkv, keys, D]
         out = F.scaled_dot_product_attention(qk[:, 0, :H].float().view(B, Hkv, H // Hkv, D), keys,
                                              torch.cat(values, 2).float(), attn_mask=(key_pos >= 0).unsqueeze(2),
