@@ -11,10 +11,12 @@ POSITION_EMBEDDINGS = ("none", "learned")
 MEMORY_RULES = ("learned", "aaren")
 LAYER_TYPES = ("linear_attention", "sliding_attention")
 KV_CACHE_DTYPES = (None, "bfloat16", "float16")
+MEMORY_BITS = (None, 8, 4)
 # Bumped when a checkpoint's meaning changes; code refuses checkpoints from a newer format instead of misreading them.
 # 2: kv_cache_dtype (code without it would silently keep the window and memory at full precision).
 # 3: memory_shared_layer (code without it would silently keep other tokens in the memory).
-AAREN_FORMAT_VERSION = 3
+# 4: memory_bits (code without it would silently keep the memory at 16 bits, and fewer tokens per byte).
+AAREN_FORMAT_VERSION = 4
 
 
 class AarenConfig(PreTrainedConfig):
@@ -55,6 +57,11 @@ class AarenConfig(PreTrainedConfig):
             "float16"; None: the model's dtype, like a KV cache). The window branch rounds its keys and values to it
             in training and prefill too, so every path computes on the numbers the cache holds; the Aaren state,
             positions and retention scores stay float32. Halves the window and memory bytes of a float32 model.
+        memory_bits (`int`, None): 8 or 4: the memory's keys and values are stored as 8- or 4-bit integers with one
+            bfloat16 scale per key or value vector (its largest magnitude over the code range; 4-bit codes two to
+            a byte), for 2x or 3.6x the kept tokens per byte at head_dim 64. As with kv_cache_dtype, every path
+            (training, prefill, decoding) reads memory entries as stored; the window and sinks stay in
+            kv_cache_dtype. None: the memory is stored like the window. Layers without a memory ignore it.
         layer_types (`list[str]`, None): per layer, "linear_attention" (the Aaren mixer above, named as transformers
             names recurrent layers) or "sliding_attention" (the window branch alone: exact softmax over sinks, window
             and memory, no Aaren state, no gate). None: all "linear_attention".
@@ -131,6 +138,7 @@ class AarenConfig(PreTrainedConfig):
         memory_rule="learned",
         memory_shared_layer=None,
         kv_cache_dtype=None,
+        memory_bits=None,
         layer_types=None,
         sliding_window=None,
         rope_theta_per_layer=None,
@@ -187,6 +195,7 @@ class AarenConfig(PreTrainedConfig):
         self.memory_rule = memory_rule
         self.memory_shared_layer = memory_shared_layer
         self.kv_cache_dtype = kv_cache_dtype
+        self.memory_bits = memory_bits
         self.layer_types = list(layer_types) if layer_types is not None else None
         self.sliding_window = sliding_window
         self.rope_theta_per_layer = [float(t) for t in rope_theta_per_layer] if rope_theta_per_layer else None
@@ -273,6 +282,7 @@ class AarenConfig(PreTrainedConfig):
             "position_embedding_type": POSITION_EMBEDDINGS,
             "memory_rule": MEMORY_RULES,
             "kv_cache_dtype": KV_CACHE_DTYPES,
+            "memory_bits": MEMORY_BITS,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -284,6 +294,8 @@ class AarenConfig(PreTrainedConfig):
                 "memory_size > 0 needs the window branch (the memory holds tokens that have left the window and is "
                 "read in the window's softmax): set window_size > 0 as well, or memory_size=0"
             )
+        if self.memory_bits == 4 and self.head_dim % 2:
+            raise ValueError(f"memory_bits=4 packs two codes to a byte and needs an even head_dim, got {self.head_dim}")
         shared = self.memory_shared_layer
         if shared is not None:
             ok = isinstance(shared, int) and not isinstance(shared, bool) and 0 <= shared < self.num_hidden_layers - 1

@@ -67,13 +67,16 @@ class AarenLayerState:
         self.sink_pos = None  # [B, S], -1 while the slot is unfilled
         self.window_score = None  # [B, <=W-1, Hkv] float32 retention scores of the window entries (memory tier)
         self.memory_k = None  # [B, Hkv, M, D] rotated keys of the tokens kept after leaving the window
-        self.memory_v = None
+        self.memory_v = None  # (with memory_bits: integer codes, [B, Hkv, M, D] int8 or [B, Hkv, M, D/2] uint8)
+        self.memory_k_scale = None  # [B, Hkv, M, 1] bfloat16, with memory_bits only
+        self.memory_v_scale = None
         self.memory_pos = None  # [B, Hkv, M], -1 for an empty slot
         self.memory_score = None  # [B, Hkv, M] float32
 
     def tensors(self):
         names = ("aaren_o", "aaren_lse", "window_k", "window_v", "window_pos", "sink_k", "sink_v", "sink_pos",
-                 "window_score", "memory_k", "memory_v", "memory_pos", "memory_score")
+                 "window_score", "memory_k", "memory_v", "memory_k_scale", "memory_v_scale", "memory_pos",
+                 "memory_score")
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
     def _apply(self, fn):
@@ -340,6 +343,39 @@ def round_to_cache(x: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tenso
     return to_cache(x, dtype).to(x.dtype)
 
 
+def quantize_memory(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] as ``bits``-bit integer codes and one bfloat16 scale per vector (its largest magnitude over the
+    largest code), symmetric: (codes, scale [..., 1]). 8 bits: int8 codes; 4 bits: codes + 8 in 1..15, the first
+    half of the vector in the low nibbles and the second in the high ones, D / 2 bytes. The scale is rounded before
+    the codes are taken, so quantizing a dequantized vector gives back the same codes and scale: memory entries can
+    go back and forth between the two forms without drifting."""
+    top = 2 ** (bits - 1) - 1
+    x = x.float()
+    scale = (x.abs().amax(-1, keepdim=True) / top).to(torch.bfloat16)
+    codes = torch.round(x / scale.float().clamp(min=torch.finfo(torch.float32).tiny)).clamp(-top, top)
+    if bits == 8:
+        return codes.to(torch.int8), scale
+    codes = (codes + 8).to(torch.uint8)
+    half = x.shape[-1] // 2
+    return codes[..., :half] | (codes[..., half:] << 4), scale
+
+
+def dequantize_memory(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Float32 values of :func:`quantize_memory`'s codes (exact: a code has at most 8 significant bits, the scale 8)."""
+    if codes.dtype == torch.uint8:  # 4 bits, two to a byte
+        codes = torch.cat([codes & 15, codes >> 4], -1).float() - 8
+    return codes.float() * scale.float()
+
+
+def round_to_memory(x: torch.Tensor, bits: Optional[int]) -> torch.Tensor:
+    """x as a memory stored in ``bits`` gives it back, in float32 (None: x unchanged). Gradients pass straight
+    through to x, as they do through :func:`round_to_cache`'s casts."""
+    if bits is None:
+        return x
+    x = x.float()
+    return dequantize_memory(*quantize_memory(x.detach(), bits)) + (x - x.detach())
+
+
 def round_retention(score: torch.Tensor) -> torch.Tensor:
     """Retention scores on a grid of 1/64 (see ``AarenMixer.retention_score``)."""
     return torch.round(score.float() * 64) / 64
@@ -480,6 +516,7 @@ class AarenMixer(nn.Module):
         self.memory_rule = config.memory_rule
         self.memory_shared_layer = config.memory_shared_layer
         self.kv_cache_dtype = getattr(torch, config.kv_cache_dtype) if config.kv_cache_dtype else None
+        self.memory_bits = config.memory_bits if self.memory_size > 0 else None
         if self.memory_size > 0 and self.memory_rule == "learned":
             self.retention_proj = nn.Linear(E, Hkv, bias=True)
 
@@ -733,8 +770,9 @@ class AarenMixer(nn.Module):
             # every key once the sink keys are turned on by p - min(p, S + W - 1)
             keys[1] = rotate_by(keys[1], *sink_angles)
         if M > 0:
-            keys.append(state.memory_k.float())
-            values.append(state.memory_v)
+            memory_k, memory_v = self.memory_entries(state)
+            keys.append(memory_k.float())
+            values.append(memory_v)
             key_pos = torch.cat([key_pos, state.memory_pos], 2)
         keys = torch.cat(keys, 2)  # [B, Hkv, W + S + M, D]
         # each kv head's G query heads as G query rows: [B, Hkv, G, D] against [B, Hkv, keys, D]
@@ -791,12 +829,10 @@ class AarenMixer(nn.Module):
         filling = mem_pos.gather(2, weakest) < 0
         slot = torch.arange(M, device=mem_pos.device)
         moved = torch.where(filling, torch.where(slot == weakest, M, slot - 1), slot + 1)
-        candidates = {  # index M: the newcomer
-            "k": torch.cat([state.memory_k, state.window_k[:, :1].transpose(1, 2)], 2),
-            "v": torch.cat([state.memory_v, state.window_v[:, :1].transpose(1, 2)], 2),
-            "pos": torch.cat([mem_pos, out_pos], 2), "score": torch.cat([mem_score, out_score], 2),
-        }
-        self.fill_memory(state, candidates, torch.where(enters & (slot >= weakest), moved, slot), stored)
+        newcomer = self.as_stored(state.window_k[:, :1].transpose(1, 2), state.window_v[:, :1].transpose(1, 2), stored)
+        candidates = {name: torch.cat([getattr(state, "memory_" + name), new], 2) for name, new in newcomer.items()}
+        candidates["pos"], candidates["score"] = torch.cat([mem_pos, out_pos], 2), torch.cat([mem_score, out_score], 2)
+        self.fill_memory(state, candidates, torch.where(enters & (slot >= weakest), moved, slot))
 
     def memory_candidates(self, k, v, pos, retention, k_prev, v_prev, pos_prev, state):
         """The memory tier's candidates (memory held + window entries held + this call's tokens) and what each query
@@ -806,13 +842,15 @@ class AarenMixer(nn.Module):
         prev_score = retention.new_zeros(B, 0, Hkv)
         if state is not None and state.window_score is not None:
             prev_score = state.window_score
-        stream_k = torch.cat([k_prev.to(k.dtype), k], 1).transpose(1, 2)  # [B, Hkv, P + T, D]
-        stream_v = torch.cat([v_prev.to(v.dtype), v], 1).transpose(1, 2)
+        # as the memory would store them: what a query reads of a token that has left the window
+        stream_k = round_to_memory(torch.cat([k_prev.to(k.dtype), k], 1).transpose(1, 2), self.memory_bits)
+        stream_v = round_to_memory(torch.cat([v_prev.to(v.dtype), v], 1).transpose(1, 2), self.memory_bits)
         stream_pos = torch.cat([pos_prev, pos], 1).unsqueeze(1).expand(B, Hkv, -1)
         stream_score = torch.cat([prev_score, retention], 1)
         if state is not None and state.memory_k is not None:
-            cand_k = torch.cat([state.memory_k.to(k.dtype), stream_k], 2)
-            cand_v = torch.cat([state.memory_v.to(v.dtype), stream_v], 2)
+            memory_k, memory_v = self.memory_entries(state)
+            cand_k = torch.cat([memory_k.to(stream_k.dtype), stream_k], 2)
+            cand_v = torch.cat([memory_v.to(stream_v.dtype), stream_v], 2)
             cand_pos = torch.cat([state.memory_pos, stream_pos], 2)
             cand_score = torch.cat([state.memory_score, stream_score.transpose(1, 2)], 2)
             held = M
@@ -837,20 +875,40 @@ class AarenMixer(nn.Module):
                 widths = (0, 0, 0, pad) if t.dim() == 4 else (0, pad)
                 candidates[name] = F.pad(t, widths, value=value)
         idx = torch.sort((~keep).to(torch.uint8), dim=-1, stable=True).indices[..., :M]  # kept ones first
-        self.fill_memory(state, candidates, idx, stored)
+        candidates.update(self.as_stored(candidates.pop("k"), candidates.pop("v"), stored))
+        self.fill_memory(state, candidates, idx)
         kept = keep.gather(2, idx)
         state.memory_pos = state.memory_pos.masked_fill(~kept, -1)
         state.memory_score = state.memory_score.masked_fill(~kept, float("-inf"))
 
+    def as_stored(self, k, v, stored: torch.dtype) -> dict:
+        """Keys and values [B, Hkv, C, D] as the memory stores them: {"k", "v"} in ``stored``, or with memory_bits
+        their codes and {"k_scale", "v_scale"}."""
+        if self.memory_bits is None:
+            return {"k": k.detach().to(stored), "v": v.detach().to(stored)}
+        codes, scale = quantize_memory(torch.stack([k.detach(), v.detach()]), self.memory_bits)  # one pass: decoding
+        return {"k": codes[0], "v": codes[1], "k_scale": scale[0], "v_scale": scale[1]}
+
+    def memory_entries(self, state):
+        """The memory's keys and values as a query reads them (float32 with memory_bits, else as stored)."""
+        if self.memory_bits is None:
+            return state.memory_k, state.memory_v
+        return (dequantize_memory(state.memory_k, state.memory_k_scale),
+                dequantize_memory(state.memory_v, state.memory_v_scale))
+
     @staticmethod
-    def fill_memory(state, candidates, idx, stored: torch.dtype):
-        """Memory slot m of row (b, h) takes candidate idx[b, h, m]; keys and values in ``stored``."""
+    def fill_memory(state, candidates, idx):
+        """Memory slot m of row (b, h) takes candidate idx[b, h, m]; keys and values (codes and scales) as
+        :meth:`as_stored` gives them."""
         B, Hkv, M = idx.shape
-        C, D = candidates["k"].shape[2:]
-        # keys and values move as whole rows of [B * Hkv * C, D]: index_select copies rows, far faster than a gather
+        C = candidates["k"].shape[2]
+        # keys and values move as whole rows of [B * Hkv * C, width]: index_select copies rows, far faster than a
+        # gather
         rows = (idx + torch.arange(0, B * Hkv * C, C, device=idx.device).view(B, Hkv, 1)).flatten()
-        state.memory_k, state.memory_v = (
-            candidates[n].detach().reshape(-1, D).index_select(0, rows).view(B, Hkv, M, D).to(stored) for n in "kv")
+        for name in ("k", "v", "k_scale", "v_scale"):
+            if name in candidates:
+                t = candidates[name]
+                setattr(state, "memory_" + name, t.reshape(B * Hkv * C, -1).index_select(0, rows).view(B, Hkv, M, -1))
         state.memory_pos = candidates["pos"].gather(2, idx)
         state.memory_score = candidates["score"].gather(2, idx)
 

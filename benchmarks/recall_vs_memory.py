@@ -128,6 +128,9 @@ def main() -> None:
     parser.add_argument("--memory-shared-layer", type=layer_or_none, default=None, metavar="L",
                         help="override the student's memory_shared_layer (a layer index, or 'none': every layer "
                              "ranks on its own); default: the student's own")
+    parser.add_argument("--memory-bits", choices=("8", "4", "16"), default=None,
+                        help="override how the student's memory stores keys/values (8- or 4-bit codes; '16': as its "
+                             "window); default: the student's own")
     parser.add_argument("--ranks", action="store_true", help="also print where each layer ranks the key (see above)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", default=None, help="also write the results here")
@@ -141,6 +144,8 @@ def main() -> None:
     override = {}
     if args.memory_shared_layer is not None:
         override["memory_shared_layer"] = None if args.memory_shared_layer == "none" else args.memory_shared_layer
+    if args.memory_bits is not None:
+        override["memory_bits"] = None if args.memory_bits == "16" else int(args.memory_bits)
 
     from transformers import AutoModelForCausalLM
 

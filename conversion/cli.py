@@ -143,6 +143,9 @@ def convert_parser() -> argparse.ArgumentParser:
     g.add_argument("--kv-cache-dtype", choices=("bfloat16", "float16", "model"),
                    help="the dtype the window, sink and memory keys/values are stored (and computed) in; 'model': "
                         "the model's own dtype. The Aaren state stays float32")
+    g.add_argument("--memory-bits", choices=("8", "4", "16"),
+                   help="the memory's keys/values as 8- or 4-bit codes with a 16-bit scale per vector (2x or 3.6x "
+                        "the tokens per byte at head_dim 64); '16': as the window stores them")
     g.add_argument("--convert-layers", metavar="LAYERS",
                    help="which layers become Aaren layers: 'all', 'none', 'global' (the teacher's full-attention "
                         "layers), or indices like '0,5,11'. Default: 'global' for teachers with local sliding-window "
@@ -256,10 +259,12 @@ def options_from_args(args, parser):
         opts = ConvertOptions()
     mixer = {k: getattr(args, k) for k in ("num_query_slots", "decay", "window_size", "num_sink_tokens", "window_gate",
                                            "memory_size", "memory_rule", "memory_shared_layer", "kv_cache_dtype",
-                                           "convert_layers")
+                                           "memory_bits", "convert_layers")
              if getattr(args, k) is not None}
     if mixer.get("kv_cache_dtype") == "model":
         mixer["kv_cache_dtype"] = None
+    if "memory_bits" in mixer:
+        mixer["memory_bits"] = None if mixer["memory_bits"] == "16" else int(mixer["memory_bits"])
     if mixer.get("memory_shared_layer") == "none":
         mixer["memory_shared_layer"] = None
     stage1 = {"steps": args.stage1_steps, "lr": args.stage1_lr, "windows": args.stage1_windows,

@@ -431,17 +431,20 @@ def _filled_state_bytes(model, layers=None) -> dict:
     return {"bytes": held(), "first": measured_first, "tokens": [first, 2 * first]}
 
 
-def equal_memory_window(student_config, teacher_config, sinks: int, kv_dtype: torch.dtype = torch.float32) -> dict:
+def equal_memory_window(student_config, teacher_config, sinks: int, kv_dtype: torch.dtype = torch.float32,
+                        baseline_dtype: Optional[torch.dtype] = None) -> dict:
     """The StreamingLLM window W such that the teacher's KV cache (S + W - 1 tokens held between steps: the sinks and
     the W - 1 tokens before the next one, which sees W tokens with itself) equals (at most) the student's full
     state bytes (Aaren state + its window and sink keys/values + position bookkeeping), both per sequence in
-    ``kv_dtype`` for keys/values (the Aaren part is always float32).
+    ``kv_dtype`` for keys/values (the Aaren part is always float32); ``baseline_dtype`` (default ``kv_dtype``) counts
+    the teacher's instead, e.g. one byte per key/value element for a baseline sized as if its cache were 8-bit.
 
     W = floor(student_bytes / teacher_bytes_per_token) - S + 1, at least 1 (``clamped`` says when the student's state is
     smaller than S teacher tokens). Returns the window and both byte counts."""
     student_bytes = aaren_state_bytes(student_config, kv_dtype)
-    per_token = teacher_kv_bytes_per_token(teacher_config, kv_dtype)
-    local = teacher_local_kv_bytes(teacher_config, kv_dtype)
+    baseline_dtype = baseline_dtype or kv_dtype
+    per_token = teacher_kv_bytes_per_token(teacher_config, baseline_dtype)
+    local = teacher_local_kv_bytes(teacher_config, baseline_dtype)
     if local:  # hybrid: both keep the teacher's local layers as they are; the global layers' bytes are compared
         from .adapters import unchanged_layers
 
@@ -462,6 +465,7 @@ def equal_memory_window(student_config, teacher_config, sinks: int, kv_dtype: to
         "student_window": int(student_config.window_size),
         "student_sinks": int(student_config.num_sink_tokens),
         "kv_dtype": str(kv_dtype).replace("torch.", ""),
+        "baseline_dtype": str(baseline_dtype).replace("torch.", ""),
         "clamped": bool(clamped),
     }
 
@@ -898,7 +902,7 @@ def _compared_models(student, teacher, results: dict, *, sinks: int, window, kv_
                      contexts: Sequence[int], quick: bool, retention: bool, say) -> list[tuple[dict, nn.Module]]:
     """[(entry, model)] of the teacher, the student and the baselines (see :func:`evaluate`); records the memory
     comparisons (``equal_memory``, ``memory``, ``equal_memory_retention``) in ``results``."""
-    from .retention_baseline import equal_memory_retention, retention_baseline
+    from .retention_baseline import equal_memory_retention
 
     student_window = int(student.config.window_size)
     equal = equal_memory_window(student.config, teacher.config, sinks, kv_dtype)
@@ -933,12 +937,32 @@ def _compared_models(student, teacher, results: dict, *, sinks: int, window, kv_
     if retention:
         kept = equal_memory_retention(student.config, teacher.config, sinks, kv_dtype=kv_dtype)
         results["equal_memory_retention"] = kept
-        base = retention_baseline(teacher, kept["sinks"], kept["window"], kept["memory"])
-        models.append(({"name": f"teacher, TOVA S={kept['sinks']} W={kept['window']} M={kept['memory']} "
-                                "(equal memory)", "kind": "retention", "sinks": kept["sinks"],
-                        "window": kept["window"], "memory": kept["memory"], "memory_bytes": base.kv_bytes(kv_dtype),
-                        "memory_note": "constant"}, base))
+        models.append(_retention_entry(teacher, kept, kv_dtype, "equal memory"))
+    if getattr(student.config, "memory_bits", None) == 8:
+        # The student's memory holds 8-bit codes: the baselines again, their whole cache counted at one byte per
+        # key/value element (about twice the tokens; scales not counted, and computed in float32: both favour them)
+        byte = torch.float8_e4m3fn
+        equal8 = equal_memory_window(student.config, teacher.config, sinks, kv_dtype, baseline_dtype=byte)
+        results["equal_memory_8bit"] = equal8
+        base = streaming_llm_baseline(teacher, sinks, equal8["window"])
+        models.append(({"name": f"teacher, StreamingLLM S={sinks} W={equal8['window']} (equal memory, 8-bit count)",
+                        "kind": "baseline", "sinks": sinks, "window": equal8["window"],
+                        "memory_bytes": base.kv_bytes(byte), "memory_note": "constant"}, base))
+        if retention:
+            kept8 = equal_memory_retention(student.config, teacher.config, sinks, kv_dtype=kv_dtype,
+                                           baseline_dtype=byte)
+            results["equal_memory_retention_8bit"] = kept8
+            models.append(_retention_entry(teacher, kept8, byte, "equal memory, 8-bit count"))
     return models
+
+
+def _retention_entry(teacher, kept: dict, dtype: torch.dtype, tag: str):
+    from .retention_baseline import retention_baseline
+
+    base = retention_baseline(teacher, kept["sinks"], kept["window"], kept["memory"])
+    return ({"name": f"teacher, TOVA S={kept['sinks']} W={kept['window']} M={kept['memory']} ({tag})",
+             "kind": "retention", "sinks": kept["sinks"], "window": kept["window"], "memory": kept["memory"],
+             "memory_bytes": base.kv_bytes(dtype), "memory_note": "constant"}, base)
 
 
 def _score_perplexity(models: list, windows: torch.Tensor, long: Optional[torch.Tensor], batch_size: int,
@@ -1119,6 +1143,14 @@ def _perplexity_lines(results: dict) -> list:
             "per layer, by TOVA's rule (when a token leaves the window and the memory is full, the one with the "
             "lowest attention weight from the current query, averaged over the layer's heads, is dropped); the "
             "teacher untrained, decoding token by token with that cache."
+        )
+    eq8 = results.get("equal_memory_8bit")
+    if eq8:
+        out.append(
+            "The student keeps its memory as 8-bit codes, so the baselines appear again with their whole cache "
+            f"counted at one byte per key/value element ({format_bytes(eq8['teacher_kv_bytes_per_token'])} per "
+            "token: about twice the tokens; the codes' scales are not counted and they compute in float32, which "
+            "can only favour them)."
         )
     out.append("")
     return out + _position_table(models)

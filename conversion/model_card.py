@@ -122,7 +122,11 @@ def _student_summary(cfg: dict) -> str:
         if cfg.get("memory_shared_layer") is not None:
             parts.append(f"the layers after layer {cfg['memory_shared_layer']} also keep in their memory what its "
                          "retention score ranks high")
-        parts.append(f"window and memory keys/values stored in {cfg.get('kv_cache_dtype') or 'the model dtype'}")
+        stored = cfg.get('kv_cache_dtype') or 'the model dtype'
+        if memory and cfg.get("memory_bits"):
+            parts.append(f"window keys/values stored in {stored}, memory keys/values as {cfg['memory_bits']}-bit codes")
+        else:
+            parts.append(f"window and memory keys/values stored in {stored}")
     else:
         parts.append("no softmax window")
     kept = [i for i, t in enumerate(cfg.get("layer_types") or []) if t == "sliding_attention"]

@@ -233,16 +233,17 @@ def retention_baseline(teacher, sinks: int, window: int, memory: int) -> Retenti
 
 
 def equal_memory_retention(student_config, teacher_config, sinks: int, window: Optional[int] = None,
-                           kv_dtype: torch.dtype = torch.float32) -> dict:
+                           kv_dtype: torch.dtype = torch.float32, baseline_dtype: Optional[torch.dtype] = None) -> dict:
     """S, W and M of a retention baseline whose cache (S + W - 1 + M teacher tokens) is at most the student's state
     bytes (:func:`~aaren_hf.conversion.evaluate.aaren_state_bytes`, whatever the student holds: Aaren state, window,
     memory tier). W defaults to the student's own window (so the baseline differs from the student only in what it
     keeps beyond the window), or, for a student without one, to half of the tokens the bytes buy; M takes the rest.
-    When S + W - 1 alone exceed the bytes, W shrinks (``clamped``) and M is 0."""
+    When S + W - 1 alone exceed the bytes, W shrinks (``clamped``) and M is 0. ``baseline_dtype``: as in
+    :func:`~aaren_hf.conversion.evaluate.equal_memory_window`."""
     from .evaluate import aaren_state_bytes, teacher_kv_bytes_per_token
 
     student_bytes = aaren_state_bytes(student_config, kv_dtype)
-    per_token = teacher_kv_bytes_per_token(teacher_config, kv_dtype)
+    per_token = teacher_kv_bytes_per_token(teacher_config, baseline_dtype or kv_dtype)
     tokens = student_bytes // per_token  # S + W - 1 + M at most
     if window is None:
         window = int(getattr(student_config, "window_size", 0) or 0) or max(1, (tokens - sinks) // 2 + 1)

@@ -52,6 +52,10 @@ MIXER_CASES = {
                           memory_shared_layer=0),
     # window, sink and memory keys/values stored (and computed on) in 16 bits in a float32 model
     "memory_kv_bf16": dict(window_size=3, num_sink_tokens=1, memory_size=3, kv_cache_dtype="bfloat16"),
+    # the memory in 8-bit codes beside a 16-bit window; in 4-bit codes beside a float32 one
+    "memory_int8": dict(window_size=3, num_sink_tokens=1, memory_size=3, kv_cache_dtype="bfloat16", memory_bits=8),
+    "memory_int4_gqa": dict(num_key_value_heads=2, num_query_slots=2, window_size=4, num_sink_tokens=1, memory_size=3,
+                            memory_bits=4),
     "sliding_layer_memory": dict(window_size=4, num_sink_tokens=1, memory_size=2,
                                  layer_types=["linear_attention", "sliding_attention"]),
     # Gemma-3's block: (1 + w) RMSNorms, post norms, q/k norms, scaled embeddings, query_pre_attn_scalar, GELU-tanh,
@@ -182,16 +186,26 @@ def rope(x: torch.Tensor, position: torch.Tensor, inv_freq: torch.Tensor) -> tor
     return torch.cat([z.real, z.imag, x[..., 2 * half :].double()], -1)
 
 
+def quantized(x, bits):
+    """x [..., D] rounded as a memory of ``bits``-bit codes holds it: per vector, scale = its largest magnitude over
+    the largest code (2^(bits-1) - 1), rounded to bfloat16; codes = x / scale rounded to the nearest integer and
+    clipped to the code range; the entry reads back codes * scale (AarenConfig.memory_bits)."""
+    top = 2 ** (bits - 1) - 1
+    scale = (x.double().abs().amax(-1, keepdim=True) / top).float().to(torch.bfloat16).double()
+    codes = torch.where(scale > 0, x.double() / scale, torch.zeros_like(x.double())).round().clamp(-top, top)
+    return codes * scale
+
+
 def brute_force_window(q, k, v, pos, window, num_sinks, inv_freq, scale, memory_size=0, retention=None,
-                       kv_dtype=None):
+                       kv_dtype=None, memory_bits=None):
     """T x T masked softmax: query at position p sees the real keys at positions (p - W, p] with both rotated at
     their own position, plus sinks (positions < S, outside that window), seen from position min(p, S + W - 1),
     plus (memory tier) per kv head the ``memory_size`` tokens with the highest ``retention`` [B, T, Hkv] score
     (ties: the newer) among those at positions S..p - W, at their true distance.
 
     q [B, T, H, D] and k [B, T, Hkv, D] not rotated; pos [B, T] with -1 at padding. ``kv_dtype``: keys (rotated)
-    and values rounded to it, as a cache stored in it holds them. Returns float64 [B, T, H, D], 0 for padding
-    queries.
+    and values rounded to it, as a cache stored in it holds them; ``memory_bits``: memory entries then rounded by
+    :func:`quantized`. Returns float64 [B, T, H, D], 0 for padding queries.
     """
     B, T, H, D = q.shape
     G = H // k.shape[2]
@@ -212,6 +226,7 @@ def brute_force_window(q, k, v, pos, window, num_sinks, inv_freq, scale, memory_
                     keys.append(i), qpos.append(min(p, num_sinks + window - 1))
             # per kv head: which keys it sees (the memory differs between kv heads)
             seen = torch.ones(len(keys), k.shape[2], dtype=torch.bool)
+            recent = len(keys)
             if memory_size:
                 old = [i for i in range(t + 1) if num_sinks <= int(pos[b, i]) <= p - window]
                 for h in range(k.shape[2]):
@@ -227,6 +242,8 @@ def brute_force_window(q, k, v, pos, window, num_sinks, inv_freq, scale, memory_
             vv = v[b, idx].double()
             if kv_dtype is not None:
                 kr, vv = kr.float().to(kv_dtype).double(), vv.float().to(kv_dtype).double()
+            if memory_bits is not None:  # the entries after the window's and the sinks' are the memory's
+                kr[recent:], vv[recent:] = quantized(kr[recent:], memory_bits), quantized(vv[recent:], memory_bits)
             kr = kr.repeat_interleave(G, dim=1)
             vv = vv.repeat_interleave(G, dim=1)
             scores = (qr * kr).sum(-1) * scale  # [n, H]

@@ -460,6 +460,25 @@ def test_cli_kv_cache_dtype():
         parser.parse_args(["--recipe", "smollm2-135m", "--kv-cache-dtype", "int8"])
 
 
+def test_cli_memory_bits():
+    """The recipe keeps the memory as 8-bit codes; --memory-bits 4 packs them, 16 stores them like the window; a
+    model without a memory ignores the setting."""
+    from aaren_hf.conversion.cli import convert_parser, options_from_args
+
+    parser = convert_parser()
+    for flag, want in ((None, 8), ("4", 4), ("16", None)):
+        argv = ["--recipe", "smollm2-135m"] + (["--memory-bits", flag] if flag else [])
+        assert options_from_args(parser.parse_args(argv), parser).mixer["memory_bits"] == want
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--recipe", "smollm2-135m", "--memory-bits", "2"])
+    from helpers import tiny_model
+
+    plain, coded = tiny_model(window_size=3), tiny_model(window_size=3, memory_bits=8)
+    ids = torch.randint(1, 60, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(plain(ids).logits, coded(ids).logits)
+
+
 def test_cli_errors_say_what_to_do(tiny, tmp_path, capsys):
     teacher, data = tiny
     code, _, err = run_cli(["--teacher", str(teacher), "--data", str(data), "--output", str(tmp_path / "o"),

@@ -306,6 +306,10 @@ def test_equal_memory_window_arithmetic():
     assert (one["window"], one["clamped"], one["baseline_kv_bytes"]) == (1, False, 46_080)
     four = ev.equal_memory_window(paper, teacher_config, sinks=4)
     assert (four["window"], four["clamped"]) == (1, True)
+    # a baseline counted at one byte per key/value element: half the bytes per token, twice the tokens
+    byte = ev.equal_memory_window(student_config, teacher_config, sinks=1, baseline_dtype=torch.float8_e4m3fn)
+    assert byte["student_state_bytes"] == 3_245_280 and byte["teacher_kv_bytes_per_token"] == 11_520
+    assert byte["window"] == 3_245_280 // 11_520 == 281
     # GPT-2 style config (n_layer / n_head / n_embd, no kv heads)
     assert ev.teacher_kv_bytes_per_token(GPT2Config(n_embd=32, n_layer=2, n_head=4)) == 2 * 2 * 4 * 8 * 4
 
@@ -528,6 +532,28 @@ def test_evaluate_and_tables(results, windows):
         assert heading in text
     assert "random tokens" in text and "| 32768 |" in text and "TOVA" in text and "Evaluation time" in text
     assert "| 128 | 16.0 |" in text  # distance, multiple of the window
+
+
+def test_an_8_bit_memory_adds_baselines_counted_at_one_byte(student, teacher, tokenizer, windows):
+    """A student keeping its memory as 8-bit codes is compared again with StreamingLLM and TOVA whose caches are
+    counted at one byte per key/value element: about twice the tokens of the 16-bit count, same student bytes."""
+    torch.manual_seed(1)
+    coded = AarenForCausalLM(AarenConfig(**{**student.config.to_dict(), "memory_size": 4, "memory_bits": 8,
+                                            "kv_cache_dtype": "bfloat16"})).eval()
+    results = ev.evaluate(coded, teacher, tokenizer, windows, sinks=1, quick=True, retention=True,
+                          contexts=(4096,), log=False, max_new_tokens=2)
+    names = [m["name"] for m in results["perplexity"]]
+    eq, eq8 = results["equal_memory"], results["equal_memory_8bit"]
+    assert eq8["student_state_bytes"] == eq["student_state_bytes"] == results["memory"]["student_state_bytes"]
+    assert eq8["teacher_kv_bytes_per_token"] * 2 == eq["teacher_kv_bytes_per_token"]
+    assert eq8["baseline_kv_bytes"] <= eq8["student_state_bytes"] and eq8["window"] > 2 * eq["window"] - 2
+    assert f"teacher, StreamingLLM S=1 W={eq8['window']} (equal memory, 8-bit count)" in names
+    kept, kept8 = results["equal_memory_retention"], results["equal_memory_retention_8bit"]
+    assert kept8["window"] == kept["window"] and kept8["memory"] > kept["memory"]
+    assert any(n.endswith("(equal memory, 8-bit count)") and "TOVA" in n for n in names)
+    assert "counted at one byte per key/value element" in ev.format_table(results)
+    assert "equal_memory_8bit" not in ev.evaluate(student, teacher, tokenizer, windows, sinks=1, quick=True,
+                                                  contexts=(4096,), log=False, max_new_tokens=2)
 
 
 def test_format_table_reads_old_results(results):

@@ -209,13 +209,13 @@ def reference_mixer(mixer, config, x, mask):
         q = _rms(q, mixer.q_norm.weight, config.rms_norm_eps, config.rms_norm_unit_offset) if q is not None else None
     if not mixer.aaren_branch and config.sliding_window:  # the teacher's own local attention: window alone
         win = brute_force_window(q, k, v, pos, config.sliding_window, 0, mixer.rope_inv_freq, scale,
-                                 kv_dtype=mixer.kv_cache_dtype)
+                                 kv_dtype=mixer.kv_cache_dtype, memory_bits=mixer.memory_bits)
         return lin(mixer.o_proj, win.reshape(B, T, H * D))
     memory = config.layer_memory_size(mixer.layer_idx)
     if not mixer.aaren_branch:  # a sliding-attention layer: the window branch alone
         win = brute_force_window(q, k, v, pos, config.window_size, config.num_sink_tokens, mixer.rope_inv_freq,
                                  scale, memory, mixer.retention_score(x.float(), None),
-                                 kv_dtype=mixer.kv_cache_dtype)
+                                 kv_dtype=mixer.kv_cache_dtype, memory_bits=mixer.memory_bits)
         return lin(mixer.o_proj, win.reshape(B, T, H * D))
     c = mixer.queries.double()  # [H, J, D]
     k_h = k.repeat_interleave(G, dim=2)  # query head h reads kv head h // G
@@ -242,7 +242,7 @@ def reference_mixer(mixer, config, x, mask):
             s_all = s.float().masked_fill(~mask[:, :, None], 0.0)
             retention = mixer.retention_score(x.float(), s_all)
         win = brute_force_window(q, k, v, pos, config.window_size, config.num_sink_tokens, mixer.rope_inv_freq,
-                                 scale, memory, retention, kv_dtype=mixer.kv_cache_dtype)
+                                 scale, memory, retention, kv_dtype=mixer.kv_cache_dtype, memory_bits=mixer.memory_bits)
         gate_logit = mixer.window_gate.double() if config.window_gate == "head" else lin(mixer.gate_proj, x)
         gate = torch.sigmoid(gate_logit).unsqueeze(-1)
         o = gate * win + (1 - gate) * o
@@ -440,6 +440,56 @@ def test_kv_cache_dtype_stores_window_and_memory_in_16_bits(dtype):
     assert kv_bytes > 0 and caches["full"].state_bytes() - caches["half"].state_bytes() == kv_bytes
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_memory_bits_store_the_memory_as_codes(bits):
+    """memory_bits keeps the memory's keys and values as integer codes (4 bits: two to a byte) with one bfloat16
+    scale per vector, next to a 16-bit window: the memory's bytes shrink by exactly what the codes save, and the
+    output moves by rounding error only. The codes are the ones the reference rounding gives."""
+    from helpers import quantized
+
+    from aaren_hf.modeling_aaren import dequantize_memory, quantize_memory
+
+    base = dict(window_size=3, num_sink_tokens=1, memory_size=4, num_key_value_heads=2, kv_cache_dtype="bfloat16")
+    ids = random_ids(2, 17)
+    plain, coded = tiny_model(**base), tiny_model(**base, memory_bits=bits)
+    coded.load_state_dict(plain.state_dict())
+    caches, logits = {}, {}
+    with torch.no_grad():
+        for name, model in (("plain", plain), ("coded", coded)):
+            caches[name] = AarenCache(model.config)
+            logits[name] = model(ids, past_key_values=caches[name], use_cache=True).logits
+    diff = (logits["coded"] - logits["plain"]).abs().max()
+    assert 0 < diff < 0.05 * logits["plain"].abs().max()
+    D, M, Hkv = coded.config.head_dim, 4, 2
+    for i, (layer, plain_layer) in enumerate(zip(caches["coded"].layers, caches["plain"].layers)):
+        assert layer.memory_k.dtype == (torch.int8 if bits == 8 else torch.uint8)
+        assert layer.memory_k.shape == (2, Hkv, M, D * bits // 8) and layer.memory_v.shape == layer.memory_k.shape
+        assert layer.memory_k_scale.shape == (2, Hkv, M, 1) and layer.memory_k_scale.dtype == torch.bfloat16
+        for name in ("k", "v"):
+            got = dequantize_memory(getattr(layer, "memory_" + name), getattr(layer, f"memory_{name}_scale"))
+            if i == 0:  # same input: the same tokens kept, each its 16-bit original rounded as the reference rounds
+                assert torch.equal(layer.memory_pos, plain_layer.memory_pos)
+                want = quantized(getattr(plain_layer, "memory_" + name).double(), bits)
+                torch.testing.assert_close(got.double(), want, atol=0, rtol=0)
+            # codes read back and stored again are the same codes: no drift over prefill chunks
+            again = quantize_memory(got, bits)
+            assert torch.equal(again[0], getattr(layer, "memory_" + name))
+            assert torch.equal(again[1], getattr(layer, f"memory_{name}_scale"))
+    saved = coded.config.num_hidden_layers * 2 * 2 * Hkv * M * (D * 2 - (D * bits // 8 + 2))  # rows, k and v
+    assert caches["plain"].state_bytes() - caches["coded"].state_bytes() == saved
+
+
+def test_memory_codes_stay_finite_for_zero_and_huge_vectors():
+    from aaren_hf.modeling_aaren import dequantize_memory, quantize_memory
+
+    x = torch.stack([torch.zeros(8), torch.full((8,), 3e38), torch.linspace(-1e-30, 1e-30, 8)])
+    for bits in (8, 4):
+        codes, scale = quantize_memory(x, bits)
+        back = dequantize_memory(codes, scale)
+        assert torch.isfinite(back).all() and torch.equal(back[0], torch.zeros(8))
+        torch.testing.assert_close(back[1], x[1], rtol=0.01, atol=0)
+
+
 def test_float16_cache_saturates_instead_of_overflowing():
     model = tiny_model(window_size=3, num_sink_tokens=1, memory_size=2, kv_cache_dtype="float16")
     with torch.no_grad():
@@ -602,6 +652,8 @@ def test_half_precision_models_keep_fp32_state(dtype):
         (dict(window_size=4, memory_size=[0, 2], memory_shared_layer=0), "names a layer without a memory"),
         (dict(window_size=4, memory_size=2, memory_rule="h2o"), "memory_rule must be one of"),
         (dict(window_size=4, kv_cache_dtype="int8"), "kv_cache_dtype must be one of"),
+        (dict(window_size=4, memory_size=2, memory_bits=2), "memory_bits must be one of"),
+        (dict(window_size=4, memory_size=2, memory_bits=4, head_dim=5), "needs an even head_dim"),
         (dict(layer_types=["linear_attention"]), "layer_types must list one of"),
         (dict(layer_types=["linear_attention", "global"]), "layer_types must list one of"),
         (dict(layer_types=["linear_attention", "sliding_attention"]), "'sliding_attention' layer is the window branch alone"),
