@@ -927,10 +927,7 @@ def _compared_models(student, teacher, results: dict, *, sinks: int, window, kv_
     for w in baseline_windows:
         tag = ("equal memory" if w == equal["window"] else
                "student's window" if w == student_window else "chosen window")
-        base = streaming_llm_baseline(teacher, sinks, w)
-        models.append(({"name": f"teacher, StreamingLLM S={sinks} W={w} ({tag})", "kind": "baseline",
-                        "sinks": sinks, "window": w, "memory_bytes": base.kv_bytes(kv_dtype),
-                        "memory_note": "constant"}, base))
+        models.append(_streaming_entry(teacher, sinks, w, kv_dtype, tag))
     if retention and _teacher_local_window(teacher.config):
         say("retention baseline (TOVA): skipped, it does not model a hybrid teacher's local layers yet")
         retention = False
@@ -944,16 +941,19 @@ def _compared_models(student, teacher, results: dict, *, sinks: int, window, kv_
         byte = torch.float8_e4m3fn
         equal8 = equal_memory_window(student.config, teacher.config, sinks, kv_dtype, baseline_dtype=byte)
         results["equal_memory_8bit"] = equal8
-        base = streaming_llm_baseline(teacher, sinks, equal8["window"])
-        models.append(({"name": f"teacher, StreamingLLM S={sinks} W={equal8['window']} (equal memory, 8-bit count)",
-                        "kind": "baseline", "sinks": sinks, "window": equal8["window"],
-                        "memory_bytes": base.kv_bytes(byte), "memory_note": "constant"}, base))
+        models.append(_streaming_entry(teacher, sinks, equal8["window"], byte, "equal memory, 8-bit count"))
         if retention:
             kept8 = equal_memory_retention(student.config, teacher.config, sinks, kv_dtype=kv_dtype,
                                            baseline_dtype=byte)
             results["equal_memory_retention_8bit"] = kept8
             models.append(_retention_entry(teacher, kept8, byte, "equal memory, 8-bit count"))
     return models
+
+
+def _streaming_entry(teacher, sinks: int, window: int, dtype: torch.dtype, tag: str):
+    base = streaming_llm_baseline(teacher, sinks, window)
+    return ({"name": f"teacher, StreamingLLM S={sinks} W={window} ({tag})", "kind": "baseline", "sinks": sinks,
+             "window": window, "memory_bytes": base.kv_bytes(dtype), "memory_note": "constant"}, base)
 
 
 def _retention_entry(teacher, kept: dict, dtype: torch.dtype, tag: str):
