@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from aaren_hf.conversion.cli import layer_or_none
+from aaren_hf.conversion.cli import MEMORY_BITS_FLAGS, layer_or_none, memory_bits_from_flag
 
 
 def _ints(text: str) -> list[int]:
@@ -128,7 +128,7 @@ def main() -> None:
     parser.add_argument("--memory-shared-layer", type=layer_or_none, default=None, metavar="L",
                         help="override the student's memory_shared_layer (a layer index, or 'none': every layer "
                              "ranks on its own); default: the student's own")
-    parser.add_argument("--memory-bits", choices=("8", "4", "16"), default=None,
+    parser.add_argument("--memory-bits", choices=MEMORY_BITS_FLAGS, default=None,
                         help="override how the student's memory stores keys/values (8- or 4-bit codes; '16': as its "
                              "window); default: the student's own")
     parser.add_argument("--ranks", action="store_true", help="also print where each layer ranks the key (see above)")
@@ -145,7 +145,7 @@ def main() -> None:
     if args.memory_shared_layer is not None:
         override["memory_shared_layer"] = None if args.memory_shared_layer == "none" else args.memory_shared_layer
     if args.memory_bits is not None:
-        override["memory_bits"] = None if args.memory_bits == "16" else int(args.memory_bits)
+        override["memory_bits"] = memory_bits_from_flag(args.memory_bits)
 
     from transformers import AutoModelForCausalLM
 

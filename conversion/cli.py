@@ -143,7 +143,7 @@ def convert_parser() -> argparse.ArgumentParser:
     g.add_argument("--kv-cache-dtype", choices=("bfloat16", "float16", "model"),
                    help="the dtype the window, sink and memory keys/values are stored (and computed) in; 'model': "
                         "the model's own dtype. The Aaren state stays float32")
-    g.add_argument("--memory-bits", choices=("8", "4", "16"),
+    g.add_argument("--memory-bits", choices=MEMORY_BITS_FLAGS,
                    help="the memory's keys/values as 8- or 4-bit codes with a 16-bit scale per vector (2x or 3.6x "
                         "the tokens per byte at head_dim 64); '16': as the window stores them")
     g.add_argument("--convert-layers", metavar="LAYERS",
@@ -264,7 +264,7 @@ def options_from_args(args, parser):
     if mixer.get("kv_cache_dtype") == "model":
         mixer["kv_cache_dtype"] = None
     if "memory_bits" in mixer:
-        mixer["memory_bits"] = None if mixer["memory_bits"] == "16" else int(mixer["memory_bits"])
+        mixer["memory_bits"] = memory_bits_from_flag(mixer["memory_bits"])
     if mixer.get("memory_shared_layer") == "none":
         mixer["memory_shared_layer"] = None
     stage1 = {"steps": args.stage1_steps, "lr": args.stage1_lr, "windows": args.stage1_windows,
@@ -298,6 +298,14 @@ def layer_or_none(text: str):
     if not text.isdigit():
         raise argparse.ArgumentTypeError(f"expected a layer index (0, 1, ...) or 'none', got {text!r}")
     return int(text)
+
+
+MEMORY_BITS_FLAGS = ("8", "4", "16")
+
+
+def memory_bits_from_flag(flag: str):
+    """AarenConfig.memory_bits for a --memory-bits choice: '16' stores the memory like the window (None)."""
+    return None if flag == "16" else int(flag)
 
 
 def validate_options(opts, parser) -> None:
