@@ -808,31 +808,25 @@ class AarenMixer(nn.Module):
     def offer_to_memory(self, state, stored: torch.dtype):
         """The oldest window entry leaves the window (the step of :meth:`window_step`): it enters the memory if it
         ranks among the M best of the tokens that have left (memory_visibility's rule), i.e. if a slot is empty or
-        it beats the weakest entry, which it then evicts. It is newer than every entry, so it wins ties.
+        it beats the weakest entry. It is newer than every entry, so it wins ties.
 
-        The slots end up in :meth:`keep_memory`'s order (kept first, in candidate order: the memory, then the
-        newcomer) without its sort: a full memory closes the gap of the entry it evicts and takes the newcomer
-        last; a filling one (entries in front, empty slots after them) takes it into its first empty slot and moves
-        the empty slots after that one up by one."""
-        M, S = self.memory_size, self.num_sinks
+        It takes the weakest slot in place: a decode step writes one entry per row instead of moving the whole
+        memory (which cost more than the rest of the step). So the step leaves the slots in no particular order,
+        where keep_memory leaves them in candidate order; neither the rule (it ranks by score, then position) nor the
+        attention depends on the order."""
         mem_pos, mem_score = state.memory_pos, state.memory_score  # [B, Hkv, M]
-        B, Hkv = mem_pos.shape[:2]
-        out_pos = state.window_pos[:, :1].unsqueeze(1).expand(B, Hkv, 1)
-        out_score = state.window_score[:, :1].transpose(1, 2)  # [B, Hkv, 1]
-        low = mem_score.amin(-1, keepdim=True)  # -inf while a slot is empty
-        enters = (out_pos >= S) & (out_score >= low)
+        low = mem_score.amin(-1)  # [B, Hkv], -inf while a slot is empty
+        enters = (state.window_score[:, 0] >= low) & (state.window_pos[:, :1] >= self.num_sinks)
         if not bool(enters.any()):  # once the memory is full, most tokens leave without entering it
             return
-        # the weakest slot: lowest score, then oldest; argmin takes the first, so an empty slot (position -1) is the
-        # first empty one
-        weakest = mem_pos.masked_fill(mem_score != low, torch.iinfo(mem_pos.dtype).max).argmin(-1, keepdim=True)
-        filling = mem_pos.gather(2, weakest) < 0
-        slot = torch.arange(M, device=mem_pos.device)
-        moved = torch.where(filling, torch.where(slot == weakest, M, slot - 1), slot + 1)
-        newcomer = self.as_stored(state.window_k[:, :1].transpose(1, 2), state.window_v[:, :1].transpose(1, 2), stored)
-        candidates = {name: torch.cat([getattr(state, "memory_" + name), new], 2) for name, new in newcomer.items()}
-        candidates["pos"], candidates["score"] = torch.cat([mem_pos, out_pos], 2), torch.cat([mem_score, out_score], 2)
-        self.fill_memory(state, candidates, torch.where(enters & (slot >= weakest), moved, slot))
+        # the weakest slot: lowest score, then oldest (an empty slot: score -inf); each row that enters writes there
+        weakest = mem_pos.masked_fill(mem_score != low.unsqueeze(-1), torch.iinfo(mem_pos.dtype).max).argmin(-1)
+        b, h = enters.nonzero(as_tuple=True)
+        slot = weakest[b, h]
+        entry = self.as_stored(state.window_k[b, 0, h], state.window_v[b, 0, h], stored)  # [n, D]
+        entry.update(pos=state.window_pos[b, 0], score=state.window_score[b, 0, h])
+        for name, new in entry.items():
+            getattr(state, "memory_" + name).index_put_((b, h, slot), new)
 
     def memory_candidates(self, k, v, pos, retention, k_prev, v_prev, pos_prev, state):
         """The memory tier's candidates (memory held + window entries held + this call's tokens) and what each query
