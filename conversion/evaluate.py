@@ -109,8 +109,15 @@ def _eval_mode(model):
             model.train()
 
 
-def _bytes_of(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+# What a baseline's cache is counted in when the student's memory holds codes of that many bits (float4_e2m1fn_x2
+# packs two elements into a byte)
+CODED_COUNT = {8: torch.float8_e4m3fn, 4: torch.float4_e2m1fn_x2}
+
+
+def _bytes_of(dtype: torch.dtype) -> float:
+    """Bytes per key/value element."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return size / 2 if dtype == torch.float4_e2m1fn_x2 else size
 
 
 def format_bytes(n: Optional[float]) -> str:
@@ -372,7 +379,7 @@ def teacher_kv_bytes_per_token(teacher_config, dtype: torch.dtype = torch.float3
         from .adapters import teacher_attention_types
 
         layers = teacher_attention_types(teacher_config).count("full_attention")
-    return 2 * layers * kv_heads * head_dim * _bytes_of(dtype)
+    return int(2 * layers * kv_heads * head_dim * _bytes_of(dtype))
 
 
 def teacher_local_kv_bytes(teacher_config, dtype: torch.dtype = torch.float32, context: Optional[int] = None) -> int:
@@ -386,7 +393,7 @@ def teacher_local_kv_bytes(teacher_config, dtype: torch.dtype = torch.float32, c
     _, kv_heads, head_dim = _teacher_geometry(teacher_config)
     tokens = window - 1 if context is None else min(window - 1, context)
     local = teacher_attention_types(teacher_config).count("sliding_attention")
-    return 2 * local * kv_heads * head_dim * _bytes_of(dtype) * tokens
+    return int(2 * local * kv_heads * head_dim * _bytes_of(dtype) * tokens)
 
 
 def aaren_state_bytes(student_config, kv_dtype: torch.dtype = torch.float32, layers=None) -> int:
@@ -935,18 +942,20 @@ def _compared_models(student, teacher, results: dict, *, sinks: int, window, kv_
         kept = equal_memory_retention(student.config, teacher.config, sinks, kv_dtype=kv_dtype)
         results["equal_memory_retention"] = kept
         models.append(_retention_entry(teacher, kept, kv_dtype, "equal memory"))
-    if getattr(student.config, "memory_bits", None) == 8:
-        # The student's memory holds 8-bit codes: the baselines again, their whole cache counted at one byte per
-        # key/value element (about twice the tokens; scales not counted, and computed in float32: both favour them)
-        byte = torch.float8_e4m3fn
-        equal8 = equal_memory_window(student.config, teacher.config, sinks, kv_dtype, baseline_dtype=byte)
-        results["equal_memory_8bit"] = equal8
-        models.append(_streaming_entry(teacher, sinks, equal8["window"], byte, "equal memory, 8-bit count"))
+    bits = getattr(student.config, "memory_bits", None)
+    if bits:
+        # The student's memory holds 8- or 4-bit codes: the baselines again, their whole cache counted at that many
+        # bits per key/value element (2 or 4 times the tokens; scales not counted, and computed in float32: both
+        # favour them)
+        coded, tag = CODED_COUNT[bits], f"equal memory, {bits}-bit count"
+        results["equal_memory_coded"] = {**equal_memory_window(student.config, teacher.config, sinks, kv_dtype,
+                                                               baseline_dtype=coded), "bits": bits}
+        models.append(_streaming_entry(teacher, sinks, results["equal_memory_coded"]["window"], coded, tag))
         if retention:
-            kept8 = equal_memory_retention(student.config, teacher.config, sinks, kv_dtype=kv_dtype,
-                                           baseline_dtype=byte)
-            results["equal_memory_retention_8bit"] = kept8
-            models.append(_retention_entry(teacher, kept8, byte, "equal memory, 8-bit count"))
+            kept = equal_memory_retention(student.config, teacher.config, sinks, kv_dtype=kv_dtype,
+                                          baseline_dtype=coded)
+            results["equal_memory_retention_coded"] = {**kept, "bits": bits}
+            models.append(_retention_entry(teacher, kept, coded, tag))
     return models
 
 
@@ -1144,13 +1153,13 @@ def _perplexity_lines(results: dict) -> list:
             "lowest attention weight from the current query, averaged over the layer's heads, is dropped); the "
             "teacher untrained, decoding token by token with that cache."
         )
-    eq8 = results.get("equal_memory_8bit")
-    if eq8:
+    coded = results.get("equal_memory_coded")
+    if coded:
         out.append(
-            "The student keeps its memory as 8-bit codes, so the baselines appear again with their whole cache "
-            f"counted at one byte per key/value element ({format_bytes(eq8['teacher_kv_bytes_per_token'])} per "
-            "token: about twice the tokens; the codes' scales are not counted and they compute in float32, which "
-            "can only favour them)."
+            f"The student keeps its memory as {coded['bits']}-bit codes, so the baselines appear again with their "
+            f"whole cache counted at {coded['bits']} bits per key/value element "
+            f"({format_bytes(coded['teacher_kv_bytes_per_token'])} per token: about {16 // coded['bits']} times the "
+            "tokens; the codes' scales are not counted and they compute in float32, which can only favour them)."
         )
     out.append("")
     return out + _position_table(models)

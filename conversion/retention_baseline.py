@@ -49,10 +49,6 @@ __all__ = ["ATTENTION_NAME", "RetentionBaseline", "TOVAState", "equal_memory_ret
 ATTENTION_NAME = "aaren_tova"
 
 
-def _bytes_of(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 class TOVAState:
     """Settings of one :class:`RetentionBaseline` forward, and what each layer retained at its end."""
 

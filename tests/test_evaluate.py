@@ -534,26 +534,30 @@ def test_evaluate_and_tables(results, windows):
     assert "| 128 | 16.0 |" in text  # distance, multiple of the window
 
 
-def test_an_8_bit_memory_adds_baselines_counted_at_one_byte(student, teacher, tokenizer, windows):
-    """A student keeping its memory as 8-bit codes is compared again with StreamingLLM and TOVA whose caches are
-    counted at one byte per key/value element: about twice the tokens of the 16-bit count, same student bytes."""
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_coded_memory_adds_baselines_counted_at_its_bits(student, teacher, tokenizer, windows, bits):
+    """A student keeping its memory as 8- or 4-bit codes is compared again with StreamingLLM and TOVA whose caches
+    are counted at that many bits per key/value element: 2 or 4 times the tokens of the 16-bit count, same student
+    bytes."""
     torch.manual_seed(1)
-    coded = AarenForCausalLM(AarenConfig(**{**student.config.to_dict(), "memory_size": 4, "memory_bits": 8,
+    coded = AarenForCausalLM(AarenConfig(**{**student.config.to_dict(), "memory_size": 4, "memory_bits": bits,
                                             "kv_cache_dtype": "bfloat16"})).eval()
     results = ev.evaluate(coded, teacher, tokenizer, windows, sinks=1, quick=True, retention=True,
                           contexts=(4096,), log=False, max_new_tokens=2)
     names = [m["name"] for m in results["perplexity"]]
-    eq, eq8 = results["equal_memory"], results["equal_memory_8bit"]
-    assert eq8["student_state_bytes"] == eq["student_state_bytes"] == results["memory"]["student_state_bytes"]
-    assert eq8["teacher_kv_bytes_per_token"] * 2 == eq["teacher_kv_bytes_per_token"]
-    assert eq8["baseline_kv_bytes"] <= eq8["student_state_bytes"] and eq8["window"] > 2 * eq["window"] - 2
-    assert f"teacher, StreamingLLM S=1 W={eq8['window']} (equal memory, 8-bit count)" in names
-    kept, kept8 = results["equal_memory_retention"], results["equal_memory_retention_8bit"]
-    assert kept8["window"] == kept["window"] and kept8["memory"] > kept["memory"]
-    assert any(n.endswith("(equal memory, 8-bit count)") and "TOVA" in n for n in names)
-    assert "counted at one byte per key/value element" in ev.format_table(results)
-    assert "equal_memory_8bit" not in ev.evaluate(student, teacher, tokenizer, windows, sinks=1, quick=True,
-                                                  contexts=(4096,), log=False, max_new_tokens=2)
+    eq, eqb = results["equal_memory"], results["equal_memory_coded"]
+    assert eqb["bits"] == bits
+    assert eqb["student_state_bytes"] == eq["student_state_bytes"] == results["memory"]["student_state_bytes"]
+    assert eqb["teacher_kv_bytes_per_token"] * 16 // bits == eq["teacher_kv_bytes_per_token"]
+    assert eqb["baseline_kv_bytes"] <= eqb["student_state_bytes"]
+    assert eqb["window"] > 16 // bits * (eq["window"] - 1)
+    assert f"teacher, StreamingLLM S=1 W={eqb['window']} (equal memory, {bits}-bit count)" in names
+    kept, keptb = results["equal_memory_retention"], results["equal_memory_retention_coded"]
+    assert keptb["window"] == kept["window"] and keptb["memory"] > kept["memory"]
+    assert any(n.endswith(f"(equal memory, {bits}-bit count)") and "TOVA" in n for n in names)
+    assert f"counted at {bits} bits per key/value element" in ev.format_table(results)
+    assert "equal_memory_coded" not in ev.evaluate(student, teacher, tokenizer, windows, sinks=1, quick=True,
+                                                   contexts=(4096,), log=False, max_new_tokens=2)
 
 
 def test_format_table_reads_old_results(results):
