@@ -46,7 +46,8 @@ class AarenLayerState:
     else the model dtype, like a KV cache.
 
     Tensors are None until the first forward fills them, so a cache made before the batch is known (as
-    ``generate`` does) needs no sizes.
+    ``generate`` does) needs no sizes. The one-token decode step writes an entry into the memory tensors in place;
+    every other update replaces tensors (copy a state to keep it).
     """
 
     is_compileable = False
@@ -826,7 +827,11 @@ class AarenMixer(nn.Module):
         entry = self.as_stored(state.window_k[b, 0, h], state.window_v[b, 0, h], stored)  # [n, D]
         entry.update(pos=state.window_pos[b, 0], score=state.window_score[b, 0, h])
         for name, new in entry.items():
-            getattr(state, "memory_" + name).index_put_((b, h, slot), new)
+            slots = getattr(state, "memory_" + name)
+            if slots.is_inference() and not torch.is_inference_mode_enabled():
+                slots = slots.clone()  # a state made under inference_mode, continued outside it (generate's no_grad)
+                setattr(state, "memory_" + name, slots)
+            slots.index_put_((b, h, slot), new)
 
     def memory_candidates(self, k, v, pos, retention, k_prev, v_prev, pos_prev, state):
         """The memory tier's candidates (memory held + window entries held + this call's tokens) and what each query

@@ -120,6 +120,23 @@ def test_decode_step_equals_general_path(case, kv_cache_dtype, monkeypatch):
         assert calls["aaren"] == (steps if mixer.aaren_branch else 0)
 
 
+def test_a_state_made_under_inference_mode_decodes_outside_it():
+    """The decode step writes the memory in place, which PyTorch refuses on tensors made under inference_mode once
+    outside it: a cache prefilled under ``torch.inference_mode()`` and continued under ``no_grad`` (as generate()
+    runs) must still decode, with the logits of a cache made under no_grad throughout."""
+    model = tiny_model(**MIXER_CASES["memory_int8"])
+    ids = random_ids(2, 24)
+    logits = {}
+    for name, context in (("inference_mode", torch.inference_mode), ("no_grad", torch.no_grad)):
+        with context():
+            cache = AarenCache(model.config)
+            model(ids[:, :16], past_key_values=cache, use_cache=True)
+        with torch.no_grad():
+            logits[name] = torch.cat([model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits
+                                      for t in range(16, 24)], 1)
+    assert torch.equal(logits["inference_mode"], logits["no_grad"])
+
+
 def memory_as_a_set(state: dict) -> dict:
     """The state with each row of the memory sorted by position and its empty slots (position -1) zeroed, so two
     memories holding the same entries in other slots compare equal, and two with other entries do not."""
