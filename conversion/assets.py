@@ -31,8 +31,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import re
 import time
 from dataclasses import dataclass
+from html.parser import HTMLParser
 from pathlib import Path
 
 from .train_state import atomic_write
@@ -264,6 +266,8 @@ class Corpus:
     suffixes: tuple[str, ...]  # file endings to collect (".gz" variants are read through gzip)
     skip_parts: tuple[str, ...] = ()  # path components to skip
     description: str = ""
+    html: bool = False  # sources are HTML pages: keep their text
+    split_chars: int = 0  # one long file: cut into documents of about this many characters, at blank lines
 
 
 CORPORA: dict[str, Corpus] = {
@@ -275,6 +279,11 @@ CORPORA: dict[str, Corpus] = {
                skip_parts=("translations",), description="Linux kernel documentation, reST sources, English only"),
         Corpus("perl-docs", "perl-doc", "usr/share/perl/*/pod", (".pod",),
                description="Perl documentation, POD sources"),
+        # English the default recipes never train on: prose about a system, and dictionary entries
+        Corpus("debian-handbook", "debian-handbook", "usr/share/doc/debian-handbook/html/en-US", (".html",),
+               html=True, description="The Debian Administrator's Handbook (English), text of its HTML pages"),
+        Corpus("jargon", "jargon-text", "usr/share/doc/jargon-text", (".txt.gz",), split_chars=12000,
+               description="The Jargon File 4.4.7, a lexicon of hacker slang, in parts of about 12,000 characters"),
     )
 }
 
@@ -366,6 +375,50 @@ def _read_text(path: Path) -> str:
     return raw.decode("utf-8", errors="replace")
 
 
+class _HTMLText(HTMLParser):
+    """The text of an HTML page: blocks on their own lines, scripts and styles dropped."""
+
+    BLOCKS = {"p", "div", "br", "li", "dt", "dd", "tr", "pre", "h1", "h2", "h3", "h4", "h5", "h6", "title"}
+
+    def __init__(self):
+        super().__init__()
+        self.parts, self.hidden = [], 0
+
+    def handle_starttag(self, tag, attrs):
+        self.hidden += tag in ("script", "style")
+        if tag in self.BLOCKS:
+            self.parts.append("\n")
+
+    def handle_endtag(self, tag):
+        self.hidden -= tag in ("script", "style") and self.hidden > 0
+
+    def handle_data(self, data):
+        if not self.hidden:
+            self.parts.append(data)
+
+
+def html_text(page: str) -> str:
+    parser = _HTMLText()
+    parser.feed(page)
+    parser.close()
+    lines = (" ".join(line.split()) for line in "".join(parser.parts).splitlines())
+    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
+
+
+def split_at_blank_lines(text: str, size: int) -> list[str]:
+    """``text`` in pieces of at least ``size`` characters (the last may be shorter), each ending at a blank line."""
+    pieces, current, length = [], [], 0
+    for paragraph in text.split("\n\n"):
+        current.append(paragraph)
+        length += len(paragraph) + 2
+        if length >= size:
+            pieces.append("\n\n".join(current).strip())
+            current, length = [], 0
+    if current:
+        pieces.append("\n\n".join(current).strip())
+    return [p for p in pieces if p]
+
+
 def _collect_documents(corpus: Corpus, unpacked: Path) -> list[dict]:
     """One document per source file, sorted by path; links are not followed and identical files kept once."""
     roots = sorted(p for p in unpacked.glob(corpus.root_glob) if p.is_dir() and not p.is_symlink())
@@ -385,13 +438,18 @@ def _collect_documents(corpus: Corpus, unpacked: Path) -> list[dict]:
                 if real in seen_paths:
                     continue
                 seen_paths.add(real)
-                text = _read_text(path).strip()
+                text = _read_text(path)
+                text = (html_text(text) if corpus.html else text).strip()
                 digest = hashlib.sha1(text.encode()).hexdigest()
                 if not text or digest in seen_texts:
                     continue
                 seen_texts.add(digest)
                 source = f"{corpus.package}:{path.relative_to(unpacked).as_posix()}"
-                documents.append({"text": text, "source": source})
+                if corpus.split_chars:
+                    parts = split_at_blank_lines(text, corpus.split_chars)
+                    documents += [{"text": part, "source": f"{source}#{i}"} for i, part in enumerate(parts)]
+                else:
+                    documents.append({"text": text, "source": source})
     if not documents:
         raise AssetError(f"no {corpus.suffixes} files under {roots} in {corpus.package}")
     return documents
@@ -444,7 +502,8 @@ def prepare_text(corpora: list[str] | tuple[str, ...] | None = None, force: bool
 
 def packaged_text_files(corpus: str = "python-docs") -> list[Path]:
     """JSON-lines files (``{"text", "source"}`` per line, one document each) of a packaged corpus, prepared when
-    missing. Corpora: ``python-docs``, ``kernel-docs``, ``perl-docs``."""
+    missing. Corpora: ``python-docs``, ``kernel-docs``, ``perl-docs`` (what the recipes train on), ``debian-handbook``,
+    ``jargon`` (English they never see)."""
     _prepare_corpus(corpus)
     return [_corpus_path(corpus)]
 
@@ -541,7 +600,7 @@ def main(argv: list[str] | None = None) -> int:
 
                 tokenizer = AutoTokenizer.from_pretrained(teacher or prepare_teacher())
             for name, manifest in manifests.items():
-                line = f"  {name:12s} {manifest['documents']:5d} documents {manifest['characters'] / 1e6:6.1f}M chars"
+                line = f"  {name:15s} {manifest['documents']:5d} documents {manifest['characters'] / 1e6:6.1f}M chars"
                 if tokenizer is not None:
                     tokens = corpus_token_count(name, tokenizer, tokenizer_key=TEACHER_NAME)
                     line += f" {tokens / 1e6:6.2f}M tokens ({TEACHER_NAME}, {tokens})"

@@ -198,3 +198,19 @@ def test_packaged_corpus_with_real_tokenizer(tmp_path):
     assert w.train.shape == (48, 512) and w.heldout.shape == (16, 512)
     assert not set(w.train_documents) & set(w.heldout_documents)
     assert w.info["tokens"] > 2_000_000
+
+
+def test_html_pages_and_one_long_file_become_documents():
+    """The two corpora of English the recipes never train on: HTML pages give their text (blocks on their own
+    lines, no script or style), and one long file is cut at blank lines into documents of at least the size asked
+    for, which put back together give the file."""
+    from aaren_hf.conversion.assets import CORPORA, html_text, split_at_blank_lines
+
+    page = ("<html><head><style>p {color: red}</style><title>Title</title></head><body><h1>Head</h1>"
+            "<p>One   two</p><script>var x = 1;</script><div>three <b>four</b></div></body></html>")
+    assert html_text(page) == "Title\nHead\nOne two\nthree four"
+    text = "\n\n".join(f"paragraph {i} " + "x" * (10 * i) for i in range(12))
+    pieces = split_at_blank_lines(text, 150)
+    assert len(pieces) > 2 and "\n\n".join(pieces) == text
+    assert all(len(p) >= 150 - 2 for p in pieces[:-1]) and all(p.startswith("paragraph") for p in pieces)
+    assert CORPORA["debian-handbook"].html and CORPORA["jargon"].split_chars > 0
