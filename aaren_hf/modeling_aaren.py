@@ -812,7 +812,7 @@ class AarenMixer(nn.Module):
         it beats the weakest entry. It is newer than every entry, so it wins ties.
 
         It takes the weakest slot in place: a decode step writes one entry per row instead of moving the whole
-        memory (which cost more than the rest of the step). So the step leaves the slots in no particular order,
+        memory (which cost about as much as the rest of the step). So the step leaves the slots in no particular order,
         where keep_memory leaves them in candidate order; neither the rule (it ranks by score, then position) nor the
         attention depends on the order."""
         mem_pos, mem_score = state.memory_pos, state.memory_score  # [B, Hkv, M]

@@ -27,11 +27,11 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
-import re
 import time
 from dataclasses import dataclass
 from html.parser import HTMLParser
