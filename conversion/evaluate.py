@@ -1154,6 +1154,8 @@ def _perplexity_lines(results: dict) -> list:
             "teacher untrained, decoding token by token with that cache."
         )
     coded = results.get("equal_memory_coded")
+    if not coded and results.get("equal_memory_8bit"):  # written before the count followed the student's bits
+        coded = {**results["equal_memory_8bit"], "bits": 8}
     if coded:
         out.append(
             f"The student keeps its memory as {coded['bits']}-bit codes, so the baselines appear again with their "
