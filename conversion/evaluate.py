@@ -112,6 +112,35 @@ def _eval_mode(model):
 # What a baseline's cache is counted in when the student's memory holds codes of that many bits (float4_e2m1fn_x2
 # packs two elements into a byte)
 CODED_COUNT = {8: torch.float8_e4m3fn, 4: torch.float4_e2m1fn_x2}
+CODED_ATTENTION = "aaren_coded_sdpa"
+
+
+def as_codes_give_back(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Keys or values [..., D] as a cache holding them in ``bits``-bit codes gives them back: the student's own
+    memory quantizer (one scale per vector), so a baseline held in codes loses what the student's memory loses."""
+    from aaren_hf.modeling_aaren import round_to_memory
+
+    return round_to_memory(x.detach(), bits).to(x.dtype)
+
+
+def _coded_sdpa(module, query, key, value, attention_mask, kv_bits=None, **kwargs):
+    """``AttentionInterface`` entry for a baseline whose cache holds codes: every key and value (the current token's
+    too, as it is read from the cache) through :func:`as_codes_give_back`, then transformers' SDPA attention."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if kv_bits is None:
+        raise RuntimeError(f"attn_implementation {CODED_ATTENTION!r} is driven by StreamingLLMBaseline(bits=...) only")
+    key, value = as_codes_give_back(key, kv_bits), as_codes_give_back(value, kv_bits)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _register_coded_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(CODED_ATTENTION, _coded_sdpa)
+
+
+_register_coded_attention()
 
 
 def _bytes_of(dtype: torch.dtype) -> float:
@@ -288,9 +317,14 @@ class StreamingLLMBaseline(nn.Module):
     Needs ``attn_implementation`` "eager" or "sdpa" (flash attention takes no arbitrary mask). Teachers whose config
     already has a sliding window (Mistral, Gemma 2 local layers) get this mask instead of their own.
     ``generate()`` is not provided: the probe and perplexity score with teacher forcing.
+
+    ``bits`` (8 or 4): the cache holds its keys and values as codes of that many bits, made by the student's own
+    memory quantizer (:func:`as_codes_give_back`; symmetric, one bfloat16 scale per vector), the current token's
+    included; attention then runs in SDPA. What a user who also quantizes a StreamingLLM cache would get from this
+    quantizer (better ones exist, e.g. per-channel keys as in KIVI; so it is a bar, not a ceiling).
     """
 
-    def __init__(self, teacher, sinks: int, window: int):
+    def __init__(self, teacher, sinks: int, window: int, bits: Optional[int] = None):
         super().__init__()
         if sinks < 0 or window < 1:
             raise ValueError(f"need sinks >= 0 and window >= 1, got sinks={sinks}, window={window}")
@@ -301,9 +335,12 @@ class StreamingLLMBaseline(nn.Module):
                 "not take. Load the teacher with attn_implementation='sdpa' (or 'eager'), or call "
                 "teacher.set_attn_implementation('sdpa')."
             )
+        if bits not in (None, 8, 4):
+            raise ValueError(f"bits must be 8, 4 or None (no codes), got {bits!r}")
         self.teacher = teacher
         self.sinks = int(sinks)
         self.window = int(window)
+        self.bits = bits
 
     @property
     def config(self):
@@ -334,14 +371,23 @@ class StreamingLLMBaseline(nn.Module):
         if local:  # a hybrid teacher (Gemma-3): only the global layers get the StreamingLLM cache
             own = streaming_llm_mask(T, 0, local, dtype=dtype, device=input_ids.device).expand(B, 1, T, T)
             mask = {"full_attention": mask, "sliding_attention": own}
-        return self.teacher(input_ids=input_ids, attention_mask=mask, labels=labels, use_cache=False, **kwargs)
+        if not self.bits:
+            return self.teacher(input_ids=input_ids, attention_mask=mask, labels=labels, use_cache=False, **kwargs)
+        config = self.teacher.config
+        previous = config._attn_implementation
+        config._attn_implementation = CODED_ATTENTION  # restored below, also on error: the teacher is shared
+        try:
+            return self.teacher(input_ids=input_ids, attention_mask=mask, labels=labels, use_cache=False,
+                                kv_bits=self.bits, **kwargs)
+        finally:
+            config._attn_implementation = previous
 
 
-def streaming_llm_baseline(teacher, sinks: int, window: int) -> StreamingLLMBaseline:
+def streaming_llm_baseline(teacher, sinks: int, window: int, bits: Optional[int] = None) -> StreamingLLMBaseline:
     """The teacher with a StreamingLLM-style cache (first ``sinks`` + last ``window`` tokens visible, no training),
     usable wherever a causal LM is scored here (:func:`perplexity`, :func:`recall_probe`). See
-    :class:`StreamingLLMBaseline` for the positions and what the mask implies."""
-    return StreamingLLMBaseline(teacher, sinks, window)
+    :class:`StreamingLLMBaseline` for the positions, what the mask implies and the codes."""
+    return StreamingLLMBaseline(teacher, sinks, window, bits)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -944,31 +990,31 @@ def _compared_models(student, teacher, results: dict, *, sinks: int, window, kv_
         models.append(_retention_entry(teacher, kept, kv_dtype, "equal memory"))
     bits = getattr(student.config, "memory_bits", None)
     if bits:
-        # The student's memory holds 8- or 4-bit codes: the baselines again, their whole cache counted at that many
-        # bits per key/value element (2 or 4 times the tokens; scales not counted, and computed in float32: both
-        # favour them)
-        coded, tag = CODED_COUNT[bits], f"equal memory, {bits}-bit count"
+        # The student's memory holds 8- or 4-bit codes: the baselines again, their whole cache held in codes of that
+        # many bits (2 or 4 times the tokens; their scales not counted, which favours them)
+        coded, tag = CODED_COUNT[bits], f"equal memory, {bits}-bit codes"
         results["equal_memory_coded"] = {**equal_memory_window(student.config, teacher.config, sinks, kv_dtype,
-                                                               baseline_dtype=coded), "bits": bits}
-        models.append(_streaming_entry(teacher, sinks, results["equal_memory_coded"]["window"], coded, tag))
+                                                               baseline_dtype=coded), "bits": bits,
+                                         "held_in_codes": True}
+        models.append(_streaming_entry(teacher, sinks, results["equal_memory_coded"]["window"], coded, tag, bits))
         if retention:
             kept = equal_memory_retention(student.config, teacher.config, sinks, kv_dtype=kv_dtype,
                                           baseline_dtype=coded)
             results["equal_memory_retention_coded"] = {**kept, "bits": bits}
-            models.append(_retention_entry(teacher, kept, coded, tag))
+            models.append(_retention_entry(teacher, kept, coded, tag, bits))
     return models
 
 
-def _streaming_entry(teacher, sinks: int, window: int, dtype: torch.dtype, tag: str):
-    base = streaming_llm_baseline(teacher, sinks, window)
+def _streaming_entry(teacher, sinks: int, window: int, dtype: torch.dtype, tag: str, bits: Optional[int] = None):
+    base = streaming_llm_baseline(teacher, sinks, window, bits)
     return ({"name": f"teacher, StreamingLLM S={sinks} W={window} ({tag})", "kind": "baseline", "sinks": sinks,
              "window": window, "memory_bytes": base.kv_bytes(dtype), "memory_note": "constant"}, base)
 
 
-def _retention_entry(teacher, kept: dict, dtype: torch.dtype, tag: str):
+def _retention_entry(teacher, kept: dict, dtype: torch.dtype, tag: str, bits: Optional[int] = None):
     from .retention_baseline import retention_baseline
 
-    base = retention_baseline(teacher, kept["sinks"], kept["window"], kept["memory"])
+    base = retention_baseline(teacher, kept["sinks"], kept["window"], kept["memory"], bits)
     return ({"name": f"teacher, TOVA S={kept['sinks']} W={kept['window']} M={kept['memory']} ({tag})",
              "kind": "retention", "sinks": kept["sinks"], "window": kept["window"], "memory": kept["memory"],
              "memory_bytes": base.kv_bytes(dtype), "memory_note": "constant"}, base)
@@ -1156,7 +1202,14 @@ def _perplexity_lines(results: dict) -> list:
     coded = results.get("equal_memory_coded")
     if not coded and results.get("equal_memory_8bit"):  # written before the count followed the student's bits
         coded = {**results["equal_memory_8bit"], "bits": 8}
-    if coded:
+    if coded and coded.get("held_in_codes"):
+        out.append(
+            f"The student keeps its memory as {coded['bits']}-bit codes, so the baselines appear again with their "
+            f"whole cache held in {coded['bits']}-bit codes by the student's quantizer "
+            f"({format_bytes(coded['teacher_kv_bytes_per_token'])} per token: about {16 // coded['bits']} times the "
+            "tokens; the codes' scales are not counted, which can only favour them)."
+        )
+    elif coded:  # written before the baselines held codes: they were only counted at the bits
         out.append(
             f"The student keeps its memory as {coded['bits']}-bit codes, so the baselines appear again with their "
             f"whole cache counted at {coded['bits']} bits per key/value element "

@@ -52,8 +52,9 @@ ATTENTION_NAME = "aaren_tova"
 class TOVAState:
     """Settings of one :class:`RetentionBaseline` forward, and what each layer retained at its end."""
 
-    def __init__(self, sinks: int, window: int, memory: int):
+    def __init__(self, sinks: int, window: int, memory: int, bits: Optional[int] = None):
         self.sinks, self.window, self.memory = int(sinks), int(window), int(memory)
+        self.bits = bits  # the cache's keys and values as codes of that many bits (see StreamingLLMBaseline)
         self.memory_positions: dict[int, torch.Tensor] = {}  # layer -> [B, m] positions in the memory at the end
 
     @torch.no_grad()
@@ -125,6 +126,10 @@ def _tova_attention(module, query, key, value, attention_mask, scaling=None, dro
         raise RuntimeError(f"attn_implementation {ATTENTION_NAME!r} is driven by RetentionBaseline only")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    if tova_state.bits:
+        from .evaluate import as_codes_give_back
+
+        key, value = as_codes_give_back(key, tova_state.bits), as_codes_give_back(value, tova_state.bits)
     return tova_state.scan(module.layer_idx, query, key, value, scaling), None
 
 
@@ -151,16 +156,19 @@ class RetentionBaseline(nn.Module):
     token), so :func:`~aaren_hf.conversion.evaluate.recall_probe` scores it as is; ``logits_to_keep=k`` keeps only
     the last k positions (the other steps skip the LM head). :meth:`token_nll` gives per-token NLLs without holding
     [B, T, vocab] logits, which :func:`~aaren_hf.conversion.evaluate.perplexity` uses. Natural positions, as in the
-    StreamingLLM baseline. ``memory=0`` is that baseline, computed by decoding instead of a mask.
+    StreamingLLM baseline. ``memory=0`` is that baseline, computed by decoding instead of a mask. ``bits``: the cache
+    holds its keys and values as codes of that many bits (:class:`~aaren_hf.conversion.evaluate.StreamingLLMBaseline`
+    says how).
     """
 
-    def __init__(self, teacher, sinks: int, window: int, memory: int):
+    def __init__(self, teacher, sinks: int, window: int, memory: int, bits: Optional[int] = None):
         super().__init__()
         if sinks < 0 or window < 1 or memory < 0:
             raise ValueError(f"need sinks >= 0, window >= 1 and memory >= 0, got sinks={sinks}, window={window}, "
                              f"memory={memory}")
         self.teacher = teacher
         self.sinks, self.window, self.memory = int(sinks), int(window), int(memory)
+        self.bits = bits
         self.last_state: Optional[TOVAState] = None  # the cache after the latest forward, for inspection
 
     @property
@@ -186,7 +194,7 @@ class RetentionBaseline(nn.Module):
         :class:`TOVAState` (kept as ``last_state``)."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
-        state = TOVAState(self.sinks, self.window, self.memory)
+        state = TOVAState(self.sinks, self.window, self.memory, self.bits)
         self.last_state = state
         config = self.teacher.config
         previous = config._attn_implementation
@@ -223,9 +231,10 @@ class RetentionBaseline(nn.Module):
         return torch.cat(nll, 1)
 
 
-def retention_baseline(teacher, sinks: int, window: int, memory: int) -> RetentionBaseline:
+def retention_baseline(teacher, sinks: int, window: int, memory: int, bits: Optional[int] = None
+                       ) -> RetentionBaseline:
     """The teacher with S sinks + a W window + M TOVA-retained tokens per layer; see :class:`RetentionBaseline`."""
-    return RetentionBaseline(teacher, sinks, window, memory)
+    return RetentionBaseline(teacher, sinks, window, memory, bits)
 
 
 def equal_memory_retention(student_config, teacher_config, sinks: int, window: Optional[int] = None,

@@ -257,6 +257,33 @@ def test_retention_baseline_limits(teacher, windows):
     assert kept.kv_tokens == 2 + 5 + 3 and kept.kv_bytes() == 10 * 2 * 2 * 2 * 8 * 4
 
 
+@pytest.mark.parametrize("make", [lambda: llama("sdpa"), lambda: llama("eager"), neox],
+                         ids=["llama-sdpa", "llama-eager", "gpt-neox"])
+def test_baselines_held_in_codes_read_what_the_codes_give_back(make, windows):
+    """StreamingLLM and TOVA with ``bits``: every key and value read through the student's memory quantizer. The two
+    code paths (a mask over the teacher's forward, and the step-by-step scan with M = 0) agree; the codes change the
+    logits, 4 bits more than 8; the teacher's attention implementation is restored afterwards."""
+    from aaren_hf.conversion.retention_baseline import RetentionBaseline
+
+    teacher = make()
+    impl = teacher.config._attn_implementation
+    with torch.no_grad():
+        plain = ev.streaming_llm_baseline(teacher, 2, 6)(input_ids=windows).logits
+        moved = {}
+        for bits in (8, 4):
+            masked = ev.streaming_llm_baseline(teacher, 2, 6, bits=bits)(input_ids=windows).logits
+            scanned = RetentionBaseline(teacher, 2, 6, 0, bits=bits)(input_ids=windows).logits
+            torch.testing.assert_close(scanned, masked, rtol=1e-4, atol=1e-4)
+            moved[bits] = (masked - plain).abs().amax().item()
+            assert teacher.config._attn_implementation == impl
+        kept = RetentionBaseline(teacher, 2, 6, 3, bits=4)(input_ids=windows).logits
+        kept_plain = RetentionBaseline(teacher, 2, 6, 3)(input_ids=windows).logits
+    assert 1e-5 < moved[8] < moved[4]
+    assert (kept - kept_plain).abs().amax() > 1e-5
+    with pytest.raises(ValueError, match="bits must be 8, 4"):
+        ev.streaming_llm_baseline(teacher, 2, 6, bits=3)
+
+
 def test_retention_baseline_bad_input(teacher, windows):
     from aaren_hf.conversion.retention_baseline import RetentionBaseline
 
@@ -535,10 +562,9 @@ def test_evaluate_and_tables(results, windows):
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_a_coded_memory_adds_baselines_counted_at_its_bits(student, teacher, tokenizer, windows, bits):
+def test_a_coded_memory_adds_baselines_held_in_its_codes(student, teacher, tokenizer, windows, bits):
     """A student keeping its memory as 8- or 4-bit codes is compared again with StreamingLLM and TOVA whose caches
-    are counted at that many bits per key/value element: 2 or 4 times the tokens of the 16-bit count, same student
-    bytes."""
+    hold codes of that many bits: 2 or 4 times the tokens of the 16-bit count, same student bytes."""
     torch.manual_seed(1)
     coded = AarenForCausalLM(AarenConfig(**{**student.config.to_dict(), "memory_size": 4, "memory_bits": bits,
                                             "kv_cache_dtype": "bfloat16"})).eval()
@@ -551,14 +577,17 @@ def test_a_coded_memory_adds_baselines_counted_at_its_bits(student, teacher, tok
     assert eqb["teacher_kv_bytes_per_token"] * 16 // bits == eq["teacher_kv_bytes_per_token"]
     assert eqb["baseline_kv_bytes"] <= eqb["student_state_bytes"]
     assert eqb["window"] > 16 // bits * (eq["window"] - 1)
-    assert f"teacher, StreamingLLM S=1 W={eqb['window']} (equal memory, {bits}-bit count)" in names
+    assert eqb["held_in_codes"]
+    assert f"teacher, StreamingLLM S=1 W={eqb['window']} (equal memory, {bits}-bit codes)" in names
     kept, keptb = results["equal_memory_retention"], results["equal_memory_retention_coded"]
     assert keptb["window"] == kept["window"] and keptb["memory"] > kept["memory"]
-    assert any(n.endswith(f"(equal memory, {bits}-bit count)") and "TOVA" in n for n in names)
-    assert f"counted at {bits} bits per key/value element" in ev.format_table(results)
+    assert any(n.endswith(f"(equal memory, {bits}-bit codes)") and "TOVA" in n for n in names)
+    assert f"held in {bits}-bit codes by the student's quantizer" in ev.format_table(results)
+    old = {**results, "equal_memory_coded": {k: v for k, v in eqb.items() if k != "held_in_codes"}}
+    assert f"counted at {bits} bits per key/value element" in ev.format_table(old)  # written before the codes
     if bits == 8:  # an evaluation.json written when only 8-bit memories had these rows still explains them
         old = {k: v for k, v in results.items() if k != "equal_memory_coded"}
-        old["equal_memory_8bit"] = {k: v for k, v in eqb.items() if k != "bits"}
+        old["equal_memory_8bit"] = {k: v for k, v in eqb.items() if k not in ("bits", "held_in_codes")}
         assert "counted at 8 bits per key/value element" in ev.format_table(old)
     assert "equal_memory_coded" not in ev.evaluate(student, teacher, tokenizer, windows, sinks=1, quick=True,
                                                    contexts=(4096,), log=False, max_new_tokens=2)
