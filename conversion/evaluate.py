@@ -123,24 +123,35 @@ def as_codes_give_back(x: torch.Tensor, bits: int) -> torch.Tensor:
     return round_to_memory(x.detach(), bits).to(x.dtype)
 
 
-def _coded_sdpa(module, query, key, value, attention_mask, kv_bits=None, **kwargs):
-    """``AttentionInterface`` entry for a baseline whose cache holds codes: every key and value (the current token's
-    too, as it is read from the cache) through :func:`as_codes_give_back`, then transformers' SDPA attention."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    if kv_bits is None:
-        raise RuntimeError(f"attn_implementation {CODED_ATTENTION!r} is driven by StreamingLLMBaseline(bits=...) only")
-    key, value = as_codes_give_back(key, kv_bits), as_codes_give_back(value, kv_bits)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-
 def _register_coded_attention() -> None:
     from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    AttentionInterface.register(CODED_ATTENTION, _coded_sdpa)
+    def coded_sdpa(module, query, key, value, attention_mask, kv_bits=None, **kwargs):
+        """A baseline whose cache holds codes: every key and value (the current token's too, as it is read from the
+        cache) through :func:`as_codes_give_back`, then transformers' SDPA attention."""
+        if kv_bits is None:
+            raise RuntimeError(f"attn_implementation {CODED_ATTENTION!r} is driven by StreamingLLMBaseline(bits=...)")
+        key, value = as_codes_give_back(key, kv_bits), as_codes_give_back(value, kv_bits)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register(CODED_ATTENTION, coded_sdpa)
 
 
 _register_coded_attention()
+
+
+@contextlib.contextmanager
+def attention_implementation(model, name: str):
+    """The model's attention implementation set to ``name`` for the block, restored after it, also on error (the
+    teacher is shared by every baseline)."""
+    config = model.config
+    previous = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield model
+    finally:
+        config._attn_implementation = previous
 
 
 def _bytes_of(dtype: torch.dtype) -> float:
@@ -373,14 +384,9 @@ class StreamingLLMBaseline(nn.Module):
             mask = {"full_attention": mask, "sliding_attention": own}
         if not self.bits:
             return self.teacher(input_ids=input_ids, attention_mask=mask, labels=labels, use_cache=False, **kwargs)
-        config = self.teacher.config
-        previous = config._attn_implementation
-        config._attn_implementation = CODED_ATTENTION  # restored below, also on error: the teacher is shared
-        try:
+        with attention_implementation(self.teacher, CODED_ATTENTION):
             return self.teacher(input_ids=input_ids, attention_mask=mask, labels=labels, use_cache=False,
                                 kv_bits=self.bits, **kwargs)
-        finally:
-            config._attn_implementation = previous
 
 
 def streaming_llm_baseline(teacher, sinks: int, window: int, bits: Optional[int] = None) -> StreamingLLMBaseline:

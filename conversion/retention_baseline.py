@@ -194,16 +194,13 @@ class RetentionBaseline(nn.Module):
         :class:`TOVAState` (kept as ``last_state``)."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+        from .evaluate import attention_implementation
+
         state = TOVAState(self.sinks, self.window, self.memory, self.bits)
         self.last_state = state
-        config = self.teacher.config
-        previous = config._attn_implementation
-        config._attn_implementation = ATTENTION_NAME  # restored below, also on error: the teacher is shared
-        try:
+        with attention_implementation(self.teacher, ATTENTION_NAME):
             # natural positions 0..T-1 (transformers' default without a cache); no mask: the scan is the mask
             return self.teacher.base_model(input_ids=input_ids, use_cache=False, tova_state=state).last_hidden_state
-        finally:
-            config._attn_implementation = previous
 
     @torch.no_grad()
     def forward(self, input_ids=None, labels=None, attention_mask=None, logits_to_keep: int = 0, **kwargs):
