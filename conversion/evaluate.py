@@ -1208,19 +1208,16 @@ def _perplexity_lines(results: dict) -> list:
     coded = results.get("equal_memory_coded")
     if not coded and results.get("equal_memory_8bit"):  # written before the count followed the student's bits
         coded = {**results["equal_memory_8bit"], "bits": 8}
-    if coded and coded.get("held_in_codes"):
+    if coded:
+        # an evaluation.json written before the baselines held codes: they were only counted at the bits
+        held = coded.get("held_in_codes")
+        how = (f"held in {coded['bits']}-bit codes by the student's quantizer" if held else
+               f"counted at {coded['bits']} bits per key/value element")
+        favour = "are not counted" if held else "are not counted and they compute in float32"
         out.append(
             f"The student keeps its memory as {coded['bits']}-bit codes, so the baselines appear again with their "
-            f"whole cache held in {coded['bits']}-bit codes by the student's quantizer "
-            f"({format_bytes(coded['teacher_kv_bytes_per_token'])} per token: about {16 // coded['bits']} times the "
-            "tokens; the codes' scales are not counted, which can only favour them)."
-        )
-    elif coded:  # written before the baselines held codes: they were only counted at the bits
-        out.append(
-            f"The student keeps its memory as {coded['bits']}-bit codes, so the baselines appear again with their "
-            f"whole cache counted at {coded['bits']} bits per key/value element "
-            f"({format_bytes(coded['teacher_kv_bytes_per_token'])} per token: about {16 // coded['bits']} times the "
-            "tokens; the codes' scales are not counted and they compute in float32, which can only favour them)."
+            f"whole cache {how} ({format_bytes(coded['teacher_kv_bytes_per_token'])} per token: about "
+            f"{16 // coded['bits']} times the tokens; the codes' scales {favour}, which can only favour them)."
         )
     out.append("")
     return out + _position_table(models)
