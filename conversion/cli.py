@@ -205,7 +205,9 @@ def eval_parser() -> argparse.ArgumentParser:
                     "windows; prints Markdown tables.",
         epilog="example:\n  aaren-convert eval --model ./SmolLM2-135M-Instruct-aaren --quick\n\nThe teacher, data, "
                "window length and seed default to those recorded in the model's conversion.json, so the held-out "
-               "windows are the ones the conversion never trained on.",
+               "windows are the ones the conversion never trained on. On the conversion's own data the windows "
+               "always come from the documents it held out (a longer --seq-len gets fewer of them); on other data "
+               "--heldout-windows alone cuts the split.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--model", required=True, metavar="DIR", help="converted model folder")
@@ -415,12 +417,13 @@ def run_eval(argv: list[str]) -> int:
 
     tokenizer, teacher_model = load_teacher(teacher)
     student = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    data = args.data or [_from_model_dir(model_dir, d) for d in recorded.get("data") or ["python-docs"]]
+    trained = [_from_model_dir(model_dir, d) for d in recorded.get("data") or ["python-docs"]]
+    data = [str(d) for d in args.data] if args.data else trained
     seq_len = args.seq_len or recorded.get("seq_len") or 512
     heldout = args.heldout_windows or recorded.get("eval_windows") or recorded.get("heldout_windows") or 16
     seed = args.seed if args.seed is not None else recorded.get("seed", 0)
-    windows = load_token_windows(tokenizer, list(data), seq_len=seq_len, num_train=None,
-                                 num_heldout=recorded.get("heldout_windows") or heldout, seed=seed)
+    split = _heldout_split(parser, recorded, data, trained, seq_len, heldout, seed)
+    windows = load_token_windows(tokenizer, list(data), seq_len=seq_len, num_train=None, num_heldout=split, seed=seed)
     kwargs = {}
     if args.recall_trials:
         kwargs["recall_trials"] = args.recall_trials
@@ -432,8 +435,7 @@ def run_eval(argv: list[str]) -> int:
     if long_len > seq_len:
         try:
             kwargs["long_windows"] = long_heldout_windows(
-                tokenizer, list(data), seq_len=seq_len, num_heldout=recorded.get("heldout_windows") or heldout,
-                long_length=long_len, seed=seed)
+                tokenizer, list(data), seq_len=seq_len, num_heldout=split, long_length=long_len, seed=seed)
         except ValueError as error:
             print(f"aaren-convert eval: no long windows ({error})", file=sys.stderr)
     results = evaluate(student, teacher_model, tokenizer, windows.heldout[:heldout],
@@ -446,6 +448,38 @@ def run_eval(argv: list[str]) -> int:
 
         atomic_write_json(args.json, results)
     return 0
+
+
+def _heldout_split(parser, recorded: dict, data: list, trained: list, seq_len: int, heldout: int, seed: int) -> int:
+    """How many windows of ``seq_len`` tokens the held-out split is cut for (``load_token_windows`` holds out a
+    prefix of the seed's document order just long enough for that many; the evaluation reads the first ``heldout``).
+
+    On the conversion's own sources, the prefix must stay inside the one the conversion held out (its held-out
+    windows x its window length): a longer --seq-len with the recorded count would reach into documents it trained
+    on. On other sources the command's own count cuts the split, so two students evaluated by the same command read
+    the same windows whatever their conversions recorded. Sources partly trained on are refused."""
+    budget = (recorded.get("heldout_windows") or 0) * (recorded.get("seq_len") or 0)
+    same = [_source_key(d) for d in data] == [_source_key(d) for d in trained]
+    if same and budget:
+        if seed != recorded.get("seed", 0):
+            parser.error(f"--seed {seed} differs from the conversion's ({recorded.get('seed', 0)}): on its sources "
+                         "that split would hold out documents it trained on; drop --seed or evaluate on other data")
+        if budget // seq_len < heldout:
+            parser.error(f"the conversion held out {budget} tokens of {', '.join(map(str, trained))}: at most "
+                         f"{budget // seq_len} windows of {seq_len} tokens; lower --heldout-windows or --seq-len, or "
+                         "evaluate on data it did not train on")
+        return budget // seq_len
+    if {_source_key(d) for d in data} & {_source_key(d) for d in trained}:
+        parser.error(f"--data {' '.join(data)} shares sources with the conversion's ({' '.join(trained)}) but is not "
+                     "the same list: the split would differ and could hold out documents it trained on; give exactly "
+                     "its sources, in that order, or only sources it did not train on")
+    return heldout
+
+
+def _source_key(source: str) -> str:
+    """A data source as compared with another: a path by what it points to, a packaged corpus by its name."""
+    path = Path(source).expanduser()
+    return str(path.resolve()) if path.exists() else source
 
 
 def _from_model_dir(model_dir: Path, source: str) -> str:

@@ -127,13 +127,23 @@ def _register_coded_attention() -> None:
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    def coded_sdpa(module, query, key, value, attention_mask, kv_bits=None, **kwargs):
+    def coded_sdpa(module, query, key, value, attention_mask, kv_bits=None, kv_exact=None, **kwargs):
         """A baseline whose cache holds codes: every key and value (the current token's too, as it is read from the
-        cache) through :func:`as_codes_give_back`, then transformers' SDPA attention."""
+        cache) through :func:`as_codes_give_back`, then transformers' SDPA attention. ``kv_exact`` = (sinks, recent):
+        query t reads key j exactly where j < sinks or t - j < recent, as codes elsewhere. Whether a key is exact
+        depends on who reads it, so each query gets both versions of every key, side by side, and the mask lets it
+        see exactly one: one softmax over what that step's cache holds."""
         if kv_bits is None:
             raise RuntimeError(f"attn_implementation {CODED_ATTENTION!r} is driven by StreamingLLMBaseline(bits=...)")
-        key, value = as_codes_give_back(key, kv_bits), as_codes_give_back(value, kv_bits)
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        coded_key, coded_value = as_codes_give_back(key, kv_bits), as_codes_give_back(value, kv_bits)
+        if not kv_exact or not kv_exact[1]:
+            return sdpa_attention_forward(module, query, coded_key, coded_value, attention_mask, **kwargs)
+        sinks, recent = kv_exact
+        exact = streaming_llm_visibility(key.shape[-2], sinks, recent, device=key.device)
+        lowest = torch.finfo(attention_mask.dtype).min
+        mask = torch.cat([attention_mask.masked_fill(~exact, lowest), attention_mask.masked_fill(exact, lowest)], -1)
+        return sdpa_attention_forward(module, query, torch.cat([key, coded_key], -2),
+                                      torch.cat([value, coded_value], -2), mask, **kwargs)
 
     AttentionInterface.register(CODED_ATTENTION, coded_sdpa)
 
@@ -333,9 +343,12 @@ class StreamingLLMBaseline(nn.Module):
     memory quantizer (:func:`as_codes_give_back`; symmetric, one bfloat16 scale per vector), the current token's
     included; attention then runs in SDPA. What a user who also quantizes a StreamingLLM cache would get from this
     quantizer (better ones exist, e.g. per-channel keys as in KIVI; so it is a bar, not a ceiling).
+    ``exact_recent`` (with ``bits``): the sinks and the last ``exact_recent`` tokens (the current one included) stay
+    exact, only the tokens between them are codes, as KIVI keeps its most recent tokens in full precision and as the
+    student keeps its window; 0 codes everything.
     """
 
-    def __init__(self, teacher, sinks: int, window: int, bits: Optional[int] = None):
+    def __init__(self, teacher, sinks: int, window: int, bits: Optional[int] = None, exact_recent: int = 0):
         super().__init__()
         if sinks < 0 or window < 1:
             raise ValueError(f"need sinks >= 0 and window >= 1, got sinks={sinks}, window={window}")
@@ -348,10 +361,14 @@ class StreamingLLMBaseline(nn.Module):
             )
         if bits not in (None, 8, 4):
             raise ValueError(f"bits must be 8, 4 or None (no codes), got {bits!r}")
+        if (exact_recent and not bits) or not 0 <= exact_recent <= window:
+            raise ValueError(f"exact_recent must be in [0, window={window}] and needs bits (the rest held in codes), "
+                             f"got exact_recent={exact_recent!r}, bits={bits!r}")
         self.teacher = teacher
         self.sinks = int(sinks)
         self.window = int(window)
         self.bits = bits
+        self.exact_recent = int(exact_recent)
 
     @property
     def config(self):
@@ -363,11 +380,14 @@ class StreamingLLMBaseline(nn.Module):
         key and value on the fly and sees W tokens in all), the same convention as the AarenCache window."""
         return self.sinks + self.window - 1
 
-    def kv_bytes(self, dtype: Optional[torch.dtype] = None) -> int:
+    def kv_bytes(self, dtype: Optional[torch.dtype] = None, exact_dtype: Optional[torch.dtype] = None) -> int:
         """Bytes of the StreamingLLM cache (``kv_tokens`` = S + W - 1 tokens, per sequence), in ``dtype`` (default:
-        the teacher's); for a hybrid teacher, of its global layers plus its local layers' own windows."""
+        the teacher's); for a hybrid teacher, of its global layers plus its local layers' own windows. With
+        ``exact_recent`` R, the sinks and the R - 1 tokens before the next one count in ``exact_dtype``."""
         dtype = dtype or _param_dtype(self.teacher)
-        return (self.kv_tokens * teacher_kv_bytes_per_token(self.teacher.config, dtype)
+        exact = self.sinks + self.exact_recent - 1 if self.exact_recent else 0
+        return ((self.kv_tokens - exact) * teacher_kv_bytes_per_token(self.teacher.config, dtype)
+                + exact * teacher_kv_bytes_per_token(self.teacher.config, exact_dtype or dtype)
                 + teacher_local_kv_bytes(self.teacher.config, dtype))
 
     def forward(self, input_ids=None, labels=None, attention_mask=None, **kwargs):
@@ -386,14 +406,15 @@ class StreamingLLMBaseline(nn.Module):
             return self.teacher(input_ids=input_ids, attention_mask=mask, labels=labels, use_cache=False, **kwargs)
         with attention_implementation(self.teacher, CODED_ATTENTION):
             return self.teacher(input_ids=input_ids, attention_mask=mask, labels=labels, use_cache=False,
-                                kv_bits=self.bits, **kwargs)
+                                kv_bits=self.bits, kv_exact=(self.sinks, self.exact_recent), **kwargs)
 
 
-def streaming_llm_baseline(teacher, sinks: int, window: int, bits: Optional[int] = None) -> StreamingLLMBaseline:
+def streaming_llm_baseline(teacher, sinks: int, window: int, bits: Optional[int] = None,
+                           exact_recent: int = 0) -> StreamingLLMBaseline:
     """The teacher with a StreamingLLM-style cache (first ``sinks`` + last ``window`` tokens visible, no training),
     usable wherever a causal LM is scored here (:func:`perplexity`, :func:`recall_probe`). See
     :class:`StreamingLLMBaseline` for the positions, what the mask implies and the codes."""
-    return StreamingLLMBaseline(teacher, sinks, window, bits)
+    return StreamingLLMBaseline(teacher, sinks, window, bits, exact_recent)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -491,7 +512,7 @@ def _filled_state_bytes(model, layers=None) -> dict:
 
 
 def equal_memory_window(student_config, teacher_config, sinks: int, kv_dtype: torch.dtype = torch.float32,
-                        baseline_dtype: Optional[torch.dtype] = None) -> dict:
+                        baseline_dtype: Optional[torch.dtype] = None, exact_recent: int = 0) -> dict:
     """The StreamingLLM window W such that the teacher's KV cache (S + W - 1 tokens held between steps: the sinks and
     the W - 1 tokens before the next one, which sees W tokens with itself) equals (at most) the student's full
     state bytes (Aaren state + its window and sink keys/values + position bookkeeping), both per sequence in
@@ -499,7 +520,10 @@ def equal_memory_window(student_config, teacher_config, sinks: int, kv_dtype: to
     the teacher's instead, e.g. one byte per key/value element for a baseline sized as if its cache were 8-bit.
 
     W = floor(student_bytes / teacher_bytes_per_token) - S + 1, at least 1 (``clamped`` says when the student's state is
-    smaller than S teacher tokens). Returns the window and both byte counts."""
+    smaller than S teacher tokens). ``exact_recent`` R > 0: the sinks and the R - 1 tokens before the next one count
+    in ``kv_dtype``, the rest of the window in ``baseline_dtype`` (see :class:`StreamingLLMBaseline`), so
+    W = R + floor((student_bytes - (S + R - 1) * exact_bytes_per_token) / teacher_bytes_per_token).
+    Returns the window and both byte counts."""
     student_bytes = aaren_state_bytes(student_config, kv_dtype)
     baseline_dtype = baseline_dtype or kv_dtype
     per_token = teacher_kv_bytes_per_token(teacher_config, baseline_dtype)
@@ -511,21 +535,23 @@ def equal_memory_window(student_config, teacher_config, sinks: int, kv_dtype: to
         budget = student_bytes - aaren_state_bytes(student_config, kv_dtype, layers=kept)
     else:
         budget = student_bytes
-    tokens = budget // per_token
-    window = tokens - sinks + 1
-    clamped = window < 1
-    window = max(1, window)
+    exact = sinks + exact_recent - 1 if exact_recent else 0
+    exact_bytes = exact * teacher_kv_bytes_per_token(teacher_config, kv_dtype)
+    window = (budget - exact_bytes) // per_token + (exact_recent or 1 - sinks)
+    clamped = window < max(1, exact_recent)
+    window = max(1, exact_recent, window)
     return {
         "window": int(window),
         "sinks": int(sinks),
         "student_state_bytes": int(student_bytes),
-        "baseline_kv_bytes": int((window - 1 + sinks) * per_token + local),
+        "baseline_kv_bytes": int((window - 1 + sinks - exact) * per_token + exact_bytes + local),
         "teacher_kv_bytes_per_token": int(per_token),
         "student_window": int(student_config.window_size),
         "student_sinks": int(student_config.num_sink_tokens),
         "kv_dtype": str(kv_dtype).replace("torch.", ""),
         "baseline_dtype": str(baseline_dtype).replace("torch.", ""),
         "clamped": bool(clamped),
+        **({"exact_recent": int(exact_recent)} if exact_recent else {}),
     }
 
 
@@ -1003,6 +1029,14 @@ def _compared_models(student, teacher, results: dict, *, sinks: int, window, kv_
                                                                baseline_dtype=coded), "bits": bits,
                                          "held_in_codes": True}
         models.append(_streaming_entry(teacher, sinks, results["equal_memory_coded"]["window"], coded, tag, bits))
+        if student_window > 0:
+            # ... and with the student's own layout: sinks and its window exact, codes only beyond it (KIVI's
+            # full-precision recent tokens), so the codes cost the baseline no more than they cost the student
+            exact = equal_memory_window(student.config, teacher.config, sinks, kv_dtype, baseline_dtype=coded,
+                                        exact_recent=student_window)
+            results["equal_memory_coded_exact_recent"] = {**exact, "bits": bits}
+            models.append(_streaming_entry(teacher, sinks, exact["window"], coded,
+                                           f"{tag} beyond the last {student_window}", bits, student_window, kv_dtype))
         if retention:
             kept = equal_memory_retention(student.config, teacher.config, sinks, kv_dtype=kv_dtype,
                                           baseline_dtype=coded)
@@ -1011,10 +1045,11 @@ def _compared_models(student, teacher, results: dict, *, sinks: int, window, kv_
     return models
 
 
-def _streaming_entry(teacher, sinks: int, window: int, dtype: torch.dtype, tag: str, bits: Optional[int] = None):
-    base = streaming_llm_baseline(teacher, sinks, window, bits)
+def _streaming_entry(teacher, sinks: int, window: int, dtype: torch.dtype, tag: str, bits: Optional[int] = None,
+                     exact_recent: int = 0, exact_dtype: Optional[torch.dtype] = None):
+    base = streaming_llm_baseline(teacher, sinks, window, bits, exact_recent)
     return ({"name": f"teacher, StreamingLLM S={sinks} W={window} ({tag})", "kind": "baseline", "sinks": sinks,
-             "window": window, "memory_bytes": base.kv_bytes(dtype), "memory_note": "constant"}, base)
+             "window": window, "memory_bytes": base.kv_bytes(dtype, exact_dtype), "memory_note": "constant"}, base)
 
 
 def _retention_entry(teacher, kept: dict, dtype: torch.dtype, tag: str, bits: Optional[int] = None):
@@ -1218,6 +1253,13 @@ def _perplexity_lines(results: dict) -> list:
             f"The student keeps its memory as {coded['bits']}-bit codes, so the baselines appear again with their "
             f"whole cache {how} ({format_bytes(coded['teacher_kv_bytes_per_token'])} per token: about "
             f"{16 // coded['bits']} times the tokens; the codes' scales {favour}, which can only favour them)."
+        )
+    exact = results.get("equal_memory_coded_exact_recent")
+    if exact:
+        out.append(
+            f"The row \"beyond the last {exact['exact_recent']}\" holds its cache as the student holds its own: the "
+            f"sink(s) and the last {exact['exact_recent']} tokens exact ({exact['kv_dtype']}), only the older ones in "
+            f"{exact['bits']}-bit codes (KIVI's full-precision recent tokens), {exact['window']} tokens in all."
         )
     out.append("")
     return out + _position_table(models)

@@ -166,6 +166,8 @@ class RetentionBaseline(nn.Module):
         if sinks < 0 or window < 1 or memory < 0:
             raise ValueError(f"need sinks >= 0, window >= 1 and memory >= 0, got sinks={sinks}, window={window}, "
                              f"memory={memory}")
+        if bits not in (None, 8, 4):
+            raise ValueError(f"bits must be 8, 4 or None (no codes), got {bits!r}")
         self.teacher = teacher
         self.sinks, self.window, self.memory = int(sinks), int(window), int(memory)
         self.bits = bits

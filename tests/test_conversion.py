@@ -379,6 +379,42 @@ def test_cli_eval_subcommand(tiny, tmp_path, capsys):
     assert code == 2 and "not a model folder" in err
 
 
+def test_cli_eval_reads_only_documents_the_conversion_held_out(tiny, tmp_path, capsys):
+    """On the conversion's own data a longer --seq-len gets fewer windows from the same held-out documents (never
+    more documents); other data is cut by --heldout-windows alone; a partly trained-on mix or another seed is
+    refused."""
+    import argparse
+
+    from aaren_hf.conversion.cli import _heldout_split
+    from aaren_hf.conversion.convert import convert, load_teacher
+    from aaren_hf.conversion.data import load_token_windows
+
+    teacher, data = tiny
+    out = tmp_path / "student"
+    convert(tiny_options(teacher, data, out, stage1={"steps": 1}, stage2={"steps": 1}))  # 4 held out x 48 tokens
+    recorded = json.loads((out / "conversion.json").read_text())["options"]
+    parser = argparse.ArgumentParser()
+    trained = [str(data)]
+    assert _heldout_split(parser, recorded, trained, trained, 96, 2, 0) == 2
+    assert _heldout_split(parser, recorded, trained, trained, 24, 3, 0) == 8
+    assert _heldout_split(parser, recorded, ["elsewhere"], trained, 96, 5, 0) == 5
+    tokenizer, _ = load_teacher(str(teacher))
+    held = set(load_token_windows(tokenizer, trained, seq_len=48, num_heldout=4).heldout_documents)
+    for seq_len in (24, 96):
+        split = _heldout_split(parser, recorded, trained, trained, seq_len, 1, 0)
+        assert set(load_token_windows(tokenizer, trained, seq_len=seq_len, num_heldout=split).heldout_documents) <= held
+    other = make_corpus(tmp_path / "other", seed=5)
+    for args, message in ((["--seq-len", "96", "--heldout-windows", "3"], "at most 2 windows of 96"),
+                          (["--seed", "1"], "differs from the conversion's"),
+                          (["--data", str(data), "--data", str(other)], "shares sources")):
+        code, _, err = run_cli(["eval", "--model", str(out), "--quick", *args], capsys)
+        assert code == 2 and message in err, err
+    code, _, err = run_cli(["eval", "--model", str(out), "--quick", "--seq-len", "96", "--heldout-windows", "2",
+                            "--recall-distances", "16", "--json", str(tmp_path / "eval.json")], capsys)
+    assert code == 0, err
+    assert json.loads((tmp_path / "eval.json").read_text())["setup"]["window_length"] == 96
+
+
 def test_unsupported_teacher_type(tmp_path):
     from transformers import BertConfig
 

@@ -280,8 +280,70 @@ def test_baselines_held_in_codes_read_what_the_codes_give_back(make, windows):
         kept_plain = RetentionBaseline(teacher, 2, 6, 3)(input_ids=windows).logits
     assert 1e-5 < moved[8] < moved[4]
     assert (kept - kept_plain).abs().amax() > 1e-5
-    with pytest.raises(ValueError, match="bits must be 8, 4"):
-        ev.streaming_llm_baseline(teacher, 2, 6, bits=3)
+    for make_baseline in (ev.streaming_llm_baseline, lambda *args, bits: RetentionBaseline(*args, 0, bits=bits)):
+        with pytest.raises(ValueError, match="bits must be 8, 4"):
+            make_baseline(teacher, 2, 6, bits=3)
+
+
+def _read_key_by_key(module, query, key, value, attention_mask, kv_bits=None, kv_exact=None, **kwargs):
+    """Brute-force reference for the coded baseline with exact recent tokens: each query, one at a time, reads key j
+    exact when j < sinks or t - j < recent, as codes otherwise; a plain softmax over what it may see."""
+    from transformers.models.llama.modeling_llama import repeat_kv
+
+    sinks, recent = kv_exact
+    groups = module.num_key_value_groups
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    coded_key, coded_value = (ev.as_codes_give_back(x, kv_bits) for x in (key, value))
+    out = torch.zeros_like(query)
+    for t in range(query.shape[-2]):
+        j = torch.arange(t + 1)
+        exact = ((j < sinks) | (t - j < recent)).view(-1, 1)
+        k = torch.where(exact, key[..., : t + 1, :], coded_key[..., : t + 1, :])
+        v = torch.where(exact, value[..., : t + 1, :], coded_value[..., : t + 1, :])
+        scores = (query[..., t : t + 1, :] @ k.transpose(-1, -2)) * module.scaling + attention_mask[..., t : t + 1, : t + 1]
+        out[..., t : t + 1, :] = scores.softmax(-1) @ v
+    return out.transpose(1, 2).contiguous(), None
+
+
+def test_coded_baseline_keeps_its_recent_tokens_exact(windows):
+    """``exact_recent`` R: the mask trick (both versions of every key side by side, the mask picks one per query)
+    equals a query-by-query reference; R = W is the baseline without codes, R = 0 the fully coded one; a window
+    sized for equal memory holds the sinks and R - 1 tokens in 16 bits, the rest in codes, within the student's bytes."""
+    from transformers import AttentionInterface
+
+    teacher = llama("sdpa")
+    AttentionInterface.register("test_read_key_by_key", _read_key_by_key)
+    with torch.no_grad():
+        plain = ev.streaming_llm_baseline(teacher, 2, 12)(input_ids=windows).logits
+        coded = ev.streaming_llm_baseline(teacher, 2, 12, bits=4)(input_ids=windows).logits
+        base = ev.streaming_llm_baseline(teacher, 2, 12, bits=4, exact_recent=5)
+        got = base(input_ids=windows).logits
+        with ev.attention_implementation(teacher, "test_read_key_by_key"):
+            mask = ev.streaming_llm_mask(windows.shape[1], 2, 12).expand(windows.shape[0], 1, -1, -1)
+            want = teacher(input_ids=windows, attention_mask=mask, kv_bits=4, kv_exact=(2, 5)).logits
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(ev.streaming_llm_baseline(teacher, 2, 12, bits=4, exact_recent=12)(
+            input_ids=windows).logits, plain, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ev.streaming_llm_baseline(teacher, 2, 12, bits=4, exact_recent=0)(
+            input_ids=windows).logits, coded)
+    assert (got - plain).abs().amax() > 1e-4 and (got - coded).abs().amax() > 1e-4
+    assert teacher.config._attn_implementation == "sdpa"
+    per16 = ev.teacher_kv_bytes_per_token(teacher.config, torch.bfloat16)
+    assert base.kv_bytes(torch.float4_e2m1fn_x2, torch.bfloat16) == (2 + 4) * per16 + 7 * per16 // 4
+    for bad in (dict(exact_recent=5), dict(bits=4, exact_recent=13), dict(bits=4, exact_recent=-1)):
+        with pytest.raises(ValueError, match="exact_recent must be in"):
+            ev.streaming_llm_baseline(teacher, 2, 12, **bad)
+    student_config = AarenConfig(vocab_size=64, hidden_size=576, intermediate_size=64, num_hidden_layers=30,
+                                 num_attention_heads=9, num_key_value_heads=3, head_dim=64, num_query_slots=4,
+                                 window_size=64, num_sink_tokens=1, memory_size=448, memory_bits=4,
+                                 kv_cache_dtype="bfloat16")
+    teacher_config = LlamaConfig(vocab_size=64, hidden_size=576, intermediate_size=64, num_hidden_layers=30,
+                                 num_attention_heads=9, num_key_value_heads=3, head_dim=64)
+    sized = ev.equal_memory_window(student_config, teacher_config, 1, torch.bfloat16,
+                                   baseline_dtype=torch.float4_e2m1fn_x2, exact_recent=64)
+    student_bytes, p16 = sized["student_state_bytes"], 2 * 30 * 3 * 64 * 2
+    assert sized["window"] == 64 + (student_bytes - 64 * p16) // (p16 // 4) and sized["exact_recent"] == 64
+    assert student_bytes - p16 // 4 < sized["baseline_kv_bytes"] <= student_bytes
 
 
 def test_retention_baseline_bad_input(teacher, windows):
@@ -579,6 +641,12 @@ def test_a_coded_memory_adds_baselines_held_in_its_codes(student, teacher, token
     assert eqb["window"] > 16 // bits * (eq["window"] - 1)
     assert eqb["held_in_codes"]
     assert f"teacher, StreamingLLM S=1 W={eqb['window']} (equal memory, {bits}-bit codes)" in names
+    exact = results["equal_memory_coded_exact_recent"]
+    assert exact["exact_recent"] == coded.config.window_size and exact["bits"] == bits
+    assert exact["window"] - exact["exact_recent"] < eqb["window"] and exact["baseline_kv_bytes"] <= eqb["student_state_bytes"]
+    name = f"teacher, StreamingLLM S=1 W={exact['window']} (equal memory, {bits}-bit codes beyond the last {exact['exact_recent']})"
+    assert [m["memory_bytes"] for m in results["perplexity"] if m["name"] == name] == [exact["baseline_kv_bytes"]]
+    assert f"the last {exact['exact_recent']} tokens exact" in ev.format_table(results)
     kept, keptb = results["equal_memory_retention"], results["equal_memory_retention_coded"]
     assert keptb["window"] == kept["window"] and keptb["memory"] > kept["memory"]
     assert any(n.endswith(f"(equal memory, {bits}-bit codes)") and "TOVA" in n for n in names)
