@@ -132,9 +132,12 @@ def _register_coded_attention() -> None:
         cache) through :func:`as_codes_give_back`, then transformers' SDPA attention. ``kv_exact`` = (sinks, recent):
         query t reads key j exactly where j < sinks or t - j < recent, as codes elsewhere. Whether a key is exact
         depends on who reads it, so each query gets both versions of every key, side by side, and the mask lets it
-        see exactly one: one softmax over what that step's cache holds."""
+        see exactly one: one softmax over what that step's cache holds. A hybrid teacher's local layers (Gemma-3)
+        read exactly: the student keeps them as the teacher does, so the baseline does too."""
         if kv_bits is None:
             raise RuntimeError(f"attn_implementation {CODED_ATTENTION!r} is driven by StreamingLLMBaseline(bits=...)")
+        if getattr(module, "is_sliding", False):
+            return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
         coded_key, coded_value = as_codes_give_back(key, kv_bits), as_codes_give_back(value, kv_bits)
         if not kv_exact or not kv_exact[1]:
             return sdpa_attention_forward(module, query, coded_key, coded_value, attention_mask, **kwargs)
@@ -341,7 +344,7 @@ class StreamingLLMBaseline(nn.Module):
 
     ``bits`` (8 or 4): the cache holds its keys and values as codes of that many bits, made by the student's own
     memory quantizer (:func:`as_codes_give_back`; symmetric, one bfloat16 scale per vector), the current token's
-    included; attention then runs in SDPA. What a user who also quantizes a StreamingLLM cache would get from this
+    included (a hybrid teacher's local layers excepted: the student keeps them exact); attention then runs in SDPA. What a user who also quantizes a StreamingLLM cache would get from this
     quantizer (better ones exist, e.g. per-channel keys as in KIVI; so it is a bar, not a ceiling).
     ``exact_recent`` (with ``bits``): the sinks and the last ``exact_recent`` tokens (the current one included) stay
     exact, only the tokens between them are codes, as KIVI keeps its most recent tokens in full precision and as the
@@ -382,13 +385,14 @@ class StreamingLLMBaseline(nn.Module):
 
     def kv_bytes(self, dtype: Optional[torch.dtype] = None, exact_dtype: Optional[torch.dtype] = None) -> int:
         """Bytes of the StreamingLLM cache (``kv_tokens`` = S + W - 1 tokens, per sequence), in ``dtype`` (default:
-        the teacher's); for a hybrid teacher, of its global layers plus its local layers' own windows. With
-        ``exact_recent`` R, the sinks and the R - 1 tokens before the next one count in ``exact_dtype``."""
+        the teacher's); for a hybrid teacher, of its global layers plus its local layers' own windows, which are
+        never codes and count in ``exact_dtype`` (default ``dtype``). With ``exact_recent`` R, the sinks and the
+        R - 1 tokens before the next one count in ``exact_dtype`` too."""
         dtype = dtype or _param_dtype(self.teacher)
         exact = self.sinks + self.exact_recent - 1 if self.exact_recent else 0
         return ((self.kv_tokens - exact) * teacher_kv_bytes_per_token(self.teacher.config, dtype)
                 + exact * teacher_kv_bytes_per_token(self.teacher.config, exact_dtype or dtype)
-                + teacher_local_kv_bytes(self.teacher.config, dtype))
+                + teacher_local_kv_bytes(self.teacher.config, exact_dtype or dtype))
 
     def forward(self, input_ids=None, labels=None, attention_mask=None, **kwargs):
         if attention_mask is not None and not bool(torch.as_tensor(attention_mask).bool().all()):
@@ -527,7 +531,7 @@ def equal_memory_window(student_config, teacher_config, sinks: int, kv_dtype: to
     student_bytes = aaren_state_bytes(student_config, kv_dtype)
     baseline_dtype = baseline_dtype or kv_dtype
     per_token = teacher_kv_bytes_per_token(teacher_config, baseline_dtype)
-    local = teacher_local_kv_bytes(teacher_config, baseline_dtype)
+    local = teacher_local_kv_bytes(teacher_config, kv_dtype)  # never codes: the student keeps them so too
     if local:  # hybrid: both keep the teacher's local layers as they are; the global layers' bytes are compared
         from .adapters import unchanged_layers
 
@@ -1028,7 +1032,8 @@ def _compared_models(student, teacher, results: dict, *, sinks: int, window, kv_
         results["equal_memory_coded"] = {**equal_memory_window(student.config, teacher.config, sinks, kv_dtype,
                                                                baseline_dtype=coded), "bits": bits,
                                          "held_in_codes": True}
-        models.append(_streaming_entry(teacher, sinks, results["equal_memory_coded"]["window"], coded, tag, bits))
+        models.append(_streaming_entry(teacher, sinks, results["equal_memory_coded"]["window"], coded, tag, bits,
+                                       exact_dtype=kv_dtype))
         if student_window > 0:
             # ... and with the student's own layout: sinks and its window exact, codes only beyond it (KIVI's
             # full-precision recent tokens), so the codes cost the baseline no more than they cost the student

@@ -410,6 +410,40 @@ def test_evaluation_of_a_hybrid_student_compares_global_layers_at_equal_memory(t
     assert (short - teacher(ids).logits).abs().max() > 1e-3
 
 
+def test_a_coded_baseline_of_a_hybrid_teacher_codes_only_its_global_layers(teacher):
+    """Held in codes, the StreamingLLM baseline codes the global layers' cache only: the student keeps the teacher's
+    local layers exact, so the baseline does too, and counts their bytes in the student's dtype."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from aaren_hf.conversion import evaluate as ev
+
+    def global_layers_coded(module, query, key, value, attention_mask, kv_bits=None, kv_exact=None, **kwargs):
+        if module.layer_idx in GLOBAL:  # the test's own layer list, not the module's flag
+            key, value = ev.as_codes_give_back(key, kv_bits), ev.as_codes_give_back(value, kv_bits)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("test_global_layers_coded", global_layers_coded)
+    ids = ids_of(2, 24)
+    base = ev.streaming_llm_baseline(teacher, 1, 24, bits=4)
+    with torch.no_grad():
+        got = base(input_ids=ids).logits
+        # a custom attention gets no mask made for it: the causal one of each layer type, passed as the baseline does
+        causal = {"full_attention": ev.streaming_llm_mask(24, 1, 24).expand(2, 1, -1, -1),
+                  "sliding_attention": ev.streaming_llm_mask(24, 0, WINDOW).expand(2, 1, -1, -1)}
+        with ev.attention_implementation(teacher, "test_global_layers_coded"):
+            want = teacher(input_ids=ids, attention_mask=causal, kv_bits=4).logits
+        plain = teacher(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert (got - plain).abs().max() > 1e-3  # the global layers' codes are there
+    local = ev.teacher_local_kv_bytes(teacher.config, torch.float32)
+    per4 = ev.teacher_kv_bytes_per_token(teacher.config, torch.float4_e2m1fn_x2)
+    assert base.kv_bytes(torch.float4_e2m1fn_x2, torch.float32) == 24 * per4 + local
+    student = student_of(teacher, **{**IDENTITY, "window_size": 4, "memory_size": 2, "memory_bits": 4})
+    sized = ev.equal_memory_window(student.config, teacher.config, 1, baseline_dtype=torch.float4_e2m1fn_x2)
+    assert sized["baseline_kv_bytes"] == (sized["window"] + 1 - 1) * per4 + local <= sized["student_state_bytes"]
+
+
 def test_gemma3_recipe(teacher, monkeypatch):
     from aaren_hf.conversion import assets
     from aaren_hf.conversion.convert import options_from_recipe
