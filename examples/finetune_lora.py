@@ -288,7 +288,12 @@ def parse_args(argv=None):
                         help="load the base model with the code saved in its folder instead of importing aaren_hf")
     parser.add_argument("--base-model-id", default=None, help="hub id of the converted model, for the merged card")
     parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args(argv)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads per process (default: torch's "
+                        "own, one per core); on a shared machine fewer threads than busy cores can be much faster")
+    args = parser.parse_args(argv)
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
+    return args
 
 
 def main(argv=None):
@@ -301,6 +306,8 @@ def main(argv=None):
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model_path = args.model
     if os.path.isdir(model_path):
         model_path = os.path.abspath(model_path)  # the adapter config records it: reloadable from any folder

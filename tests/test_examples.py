@@ -426,6 +426,9 @@ def test_lora_invalid_target_lists_valid_names():
 
 def test_lora_cli_rejects_unknown_target(tiny_folder, capsys):
     ft = load_example("finetune_lora")
+    with pytest.raises(SystemExit):
+        ft.main(["--model", str(tiny_folder), "--threads", "0"])
+    assert "--threads must be >= 1" in capsys.readouterr().err
     with pytest.raises(SystemExit, match=r"not found in this AarenForCausalLM\. Valid names: .*mixer\.k_proj"):
         ft.main(["--model", str(tiny_folder), "--target-modules", "c_attn"])
     ft.main(["--model", str(tiny_folder), "--list-targets"])
@@ -436,9 +439,15 @@ def test_lora_cli_rejects_unknown_target(tiny_folder, capsys):
 def test_finetune_tiny_run_saves_adapter_that_reloads_and_merges(tiny_folder, tmp_path, capsys):
     ft = load_example("finetune_lora")
     out_dir = tmp_path / "run"
-    result = ft.main(["--model", str(tiny_folder), "--text-file", str(_write_docs(tmp_path / "docs.jsonl")),
-                      "--max-steps", "3", "--batch-size", "2", "--seq-len", "32", "--eval-blocks", "2",
-                      "--lr", "1e-2", "--output-dir", str(out_dir)])
+    previous = torch.get_num_threads()
+    threads = 1 if previous != 1 else 2  # not what torch already uses, so that --threads shows
+    try:
+        result = ft.main(["--model", str(tiny_folder), "--text-file", str(_write_docs(tmp_path / "docs.jsonl")),
+                          "--max-steps", "3", "--batch-size", "2", "--seq-len", "32", "--eval-blocks", "2",
+                          "--lr", "1e-2", "--output-dir", str(out_dir), "--threads", str(threads)])
+        assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(previous)
     text = capsys.readouterr().out
     assert "held-out perplexity before" in text and "after" in text
     assert result["merge_diff"] < 1e-4
