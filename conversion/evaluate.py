@@ -344,8 +344,9 @@ class StreamingLLMBaseline(nn.Module):
 
     ``bits`` (8 or 4): the cache holds its keys and values as codes of that many bits, made by the student's own
     memory quantizer (:func:`as_codes_give_back`; symmetric, one bfloat16 scale per vector), the current token's
-    included (a hybrid teacher's local layers excepted: the student keeps them exact); attention then runs in SDPA. What a user who also quantizes a StreamingLLM cache would get from this
-    quantizer (better ones exist, e.g. per-channel keys as in KIVI; so it is a bar, not a ceiling).
+    included (a hybrid teacher's local layers excepted: the student keeps them exact); attention then runs in SDPA.
+    What a user who also quantizes a StreamingLLM cache would get from this quantizer (better ones exist, e.g.
+    per-channel keys as in KIVI; so it is a bar, not a ceiling).
     ``exact_recent`` (with ``bits``): the sinks and the last ``exact_recent`` tokens (the current one included) stay
     exact, only the tokens between them are codes, as KIVI keeps its most recent tokens in full precision and as the
     student keeps its window; 0 codes everything.
