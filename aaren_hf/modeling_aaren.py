@@ -344,14 +344,40 @@ def round_to_cache(x: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tenso
     return to_cache(x, dtype).to(x.dtype)
 
 
-def quantize_memory(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] (D a power of 2) times the D x D Sylvester-Hadamard matrix (entries +-1), divided by D: applying
+    it to H x gives x back. One butterfly per bit of D, so the sums run in a fixed order whatever the shape (the
+    parallel path and decoding code one token in calls of different shapes and must get the same codes, where a
+    matmul's order depends on its shape); dividing first keeps even the largest floats finite."""
+    D = x.shape[-1]
+    y = x / D
+    for _ in range(D.bit_length() - 1):
+        a, b = y.unflatten(-1, (2, D // 2)).unbind(-2)  # the top bit of the index: done, it becomes the lowest
+        y = torch.stack([a + b, a - b], -1).flatten(-2)
+    return y
+
+
+_HADAMARD_SIGNS: dict = {}
+
+
+def hadamard_signs(D: int, device) -> torch.Tensor:
+    """The D x D Sylvester-Hadamard matrix (+-1, symmetric) in float64, made once per size and device."""
+    key = (D, torch.device(device))
+    if key not in _HADAMARD_SIGNS:
+        _HADAMARD_SIGNS[key] = hadamard(torch.eye(D, dtype=torch.float64, device=device)) * D
+    return _HADAMARD_SIGNS[key]
+
+
+def quantize_memory(x: torch.Tensor, bits: int, rotate: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] as ``bits``-bit integer codes and one bfloat16 scale per vector (its largest magnitude over the
     largest code), symmetric: (codes, scale [..., 1]). 8 bits: int8 codes; 4 bits: codes + 8 in 1..15, the first
     half of the vector in the low nibbles and the second in the high ones, D / 2 bytes. The scale is rounded before
     the codes are taken, so quantizing a dequantized vector gives back the same codes and scale: memory entries can
-    go back and forth between the two forms without drifting."""
+    go back and forth between the two forms without drifting. ``rotate``: code :func:`hadamard` of x instead, which
+    spreads a few large channels (rotary keys have them) over all D, so they no longer set a scale that rounds the
+    other channels to zero; still exact back and forth (docs/aaren_math.md, section 4)."""
     top = 2 ** (bits - 1) - 1
-    x = x.float()
+    x = hadamard(x.float()) if rotate else x.float()
     scale = (x.abs().amax(-1, keepdim=True) / top).to(torch.bfloat16)
     codes = torch.round(x / scale.float().clamp(min=torch.finfo(torch.float32).tiny)).clamp(-top, top)
     if bits == 8:
@@ -361,20 +387,24 @@ def quantize_memory(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Ten
     return codes[..., :half] | (codes[..., half:] << 4), scale
 
 
-def dequantize_memory(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Float32 values of :func:`quantize_memory`'s codes (exact: a code has at most 8 significant bits, the scale 8)."""
+def dequantize_memory(codes: torch.Tensor, scale: torch.Tensor, rotate: bool = False) -> torch.Tensor:
+    """Float32 values of :func:`quantize_memory`'s codes (exact: a code has at most 8 significant bits, the scale 8).
+    ``rotate``: the codes are of :func:`hadamard` of the vector; turned back by the +-1 matrix in float64 (whole
+    numbers below 2^13 whatever the order of the sums, and float64 is the one dtype autocast leaves alone)."""
     if codes.dtype == torch.uint8:  # 4 bits, two to a byte
         codes = torch.cat([codes & 15, codes >> 4], -1).float() - 8
+    if rotate:
+        codes = (codes.double() @ hadamard_signs(codes.shape[-1], codes.device)).float()
     return codes.float() * scale.float()
 
 
-def round_to_memory(x: torch.Tensor, bits: Optional[int]) -> torch.Tensor:
-    """x as a memory stored in ``bits`` gives it back, in float32 (None: x unchanged). Gradients pass straight
-    through to x, as they do through :func:`round_to_cache`'s casts."""
+def round_to_memory(x: torch.Tensor, bits: Optional[int], rotate: bool = False) -> torch.Tensor:
+    """x as a memory stored in ``bits`` (``rotate``: Hadamard-rotated codes) gives it back, in float32 (None: x
+    unchanged). Gradients pass straight through to x, as they do through :func:`round_to_cache`'s casts."""
     if bits is None:
         return x
     x = x.float()
-    return dequantize_memory(*quantize_memory(x.detach(), bits)) + (x - x.detach())
+    return dequantize_memory(*quantize_memory(x.detach(), bits, rotate), rotate) + (x - x.detach())
 
 
 def round_retention(score: torch.Tensor) -> torch.Tensor:
@@ -518,6 +548,7 @@ class AarenMixer(nn.Module):
         self.memory_shared_layer = config.memory_shared_layer
         self.kv_cache_dtype = getattr(torch, config.kv_cache_dtype) if config.kv_cache_dtype else None
         self.memory_bits = config.memory_bits if self.memory_size > 0 else None
+        self.memory_hadamard = bool(config.memory_hadamard) and self.memory_bits is not None
         if self.memory_size > 0 and self.memory_rule == "learned":
             self.retention_proj = nn.Linear(E, Hkv, bias=True)
 
@@ -842,8 +873,9 @@ class AarenMixer(nn.Module):
         if state is not None and state.window_score is not None:
             prev_score = state.window_score
         # as the memory would store them: what a query reads of a token that has left the window
-        stream_k = round_to_memory(torch.cat([k_prev.to(k.dtype), k], 1).transpose(1, 2), self.memory_bits)
-        stream_v = round_to_memory(torch.cat([v_prev.to(v.dtype), v], 1).transpose(1, 2), self.memory_bits)
+        codes = (self.memory_bits, self.memory_hadamard)
+        stream_k = round_to_memory(torch.cat([k_prev.to(k.dtype), k], 1).transpose(1, 2), *codes)
+        stream_v = round_to_memory(torch.cat([v_prev.to(v.dtype), v], 1).transpose(1, 2), *codes)
         stream_pos = torch.cat([pos_prev, pos], 1).unsqueeze(1).expand(B, Hkv, -1)
         stream_score = torch.cat([prev_score, retention], 1)
         if state is not None and state.memory_k is not None:
@@ -885,15 +917,16 @@ class AarenMixer(nn.Module):
         their codes and {"k_scale", "v_scale"}."""
         if self.memory_bits is None:
             return {"k": k.detach().to(stored), "v": v.detach().to(stored)}
-        codes, scale = quantize_memory(torch.stack([k.detach(), v.detach()]), self.memory_bits)  # one pass: decoding
+        codes, scale = quantize_memory(torch.stack([k.detach(), v.detach()]), self.memory_bits,  # one pass: decoding
+                                       self.memory_hadamard)
         return {"k": codes[0], "v": codes[1], "k_scale": scale[0], "v_scale": scale[1]}
 
     def memory_entries(self, state):
         """The memory's keys and values as a query reads them (float32 with memory_bits, else as stored)."""
         if self.memory_bits is None:
             return state.memory_k, state.memory_v
-        return (dequantize_memory(state.memory_k, state.memory_k_scale),
-                dequantize_memory(state.memory_v, state.memory_v_scale))
+        return (dequantize_memory(state.memory_k, state.memory_k_scale, self.memory_hadamard),
+                dequantize_memory(state.memory_v, state.memory_v_scale, self.memory_hadamard))
 
     @staticmethod
     def fill_memory(state, candidates, idx):

@@ -131,6 +131,9 @@ def main() -> None:
     parser.add_argument("--memory-bits", choices=MEMORY_BITS_FLAGS, default=None,
                         help="override how the student's memory stores keys/values (8- or 4-bit codes; '16': as its "
                              "window); default: the student's own")
+    parser.add_argument("--memory-hadamard", choices=("on", "off"), default=None,
+                        help="override whether the memory codes Hadamard-rotated keys/values; default: on when "
+                             "--memory-bits 4 is given (as aaren-convert does), else the student's own")
     parser.add_argument("--ranks", action="store_true", help="also print where each layer ranks the key (see above)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", default=None, help="also write the results here")
@@ -146,6 +149,10 @@ def main() -> None:
         override["memory_shared_layer"] = None if args.memory_shared_layer == "none" else args.memory_shared_layer
     if args.memory_bits is not None:
         override["memory_bits"] = memory_bits_from_flag(args.memory_bits)
+    if args.memory_hadamard is not None:
+        override["memory_hadamard"] = args.memory_hadamard == "on"
+    elif args.memory_bits is not None:
+        override["memory_hadamard"] = args.memory_bits == "4"
 
     from transformers import AutoModelForCausalLM
 

@@ -53,7 +53,7 @@ SUPPORTED_TEACHERS = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gpt2
 
 MIXER_OPTIONS = ("num_query_slots", "decay", "decay_init", "window_size", "num_sink_tokens", "window_gate",
                  "window_gate_init", "memory_size", "memory_rule", "memory_shared_layer", "kv_cache_dtype",
-                 "memory_bits", "convert_layers", "chunk_size")
+                 "memory_bits", "memory_hadamard", "convert_layers", "chunk_size")
 
 
 @dataclass

@@ -115,19 +115,21 @@ CODED_COUNT = {8: torch.float8_e4m3fn, 4: torch.float4_e2m1fn_x2}
 CODED_ATTENTION = "aaren_coded_sdpa"
 
 
-def as_codes_give_back(x: torch.Tensor, bits: int) -> torch.Tensor:
+def as_codes_give_back(x: torch.Tensor, bits: int, hadamard: bool = False) -> torch.Tensor:
     """Keys or values [..., D] as a cache holding them in ``bits``-bit codes gives them back: the student's own
-    memory quantizer (one scale per vector), so a baseline held in codes loses what the student's memory loses."""
+    memory quantizer (one scale per vector; ``hadamard``: of the rotated vector, AarenConfig.memory_hadamard), so a
+    baseline held in codes loses what the student's memory loses."""
     from aaren_hf.modeling_aaren import round_to_memory
 
-    return round_to_memory(x.detach(), bits).to(x.dtype)
+    return round_to_memory(x.detach(), bits, hadamard).to(x.dtype)
 
 
 def _register_coded_attention() -> None:
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    def coded_sdpa(module, query, key, value, attention_mask, kv_bits=None, kv_exact=None, **kwargs):
+    def coded_sdpa(module, query, key, value, attention_mask, kv_bits=None, kv_exact=None, kv_hadamard=False,
+                   **kwargs):
         """A baseline whose cache holds codes: every key and value (the current token's too, as it is read from the
         cache) through :func:`as_codes_give_back`, then transformers' SDPA attention. ``kv_exact`` = (sinks, recent):
         query t reads key j exactly where j < sinks or t - j < recent, as codes elsewhere. Whether a key is exact
@@ -138,7 +140,8 @@ def _register_coded_attention() -> None:
             raise RuntimeError(f"attn_implementation {CODED_ATTENTION!r} is driven by StreamingLLMBaseline(bits=...)")
         if getattr(module, "is_sliding", False):
             return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-        coded_key, coded_value = as_codes_give_back(key, kv_bits), as_codes_give_back(value, kv_bits)
+        coded_key = as_codes_give_back(key, kv_bits, kv_hadamard)
+        coded_value = as_codes_give_back(value, kv_bits, kv_hadamard)
         if not kv_exact or not kv_exact[1]:
             return sdpa_attention_forward(module, query, coded_key, coded_value, attention_mask, **kwargs)
         sinks, recent = kv_exact
@@ -350,9 +353,12 @@ class StreamingLLMBaseline(nn.Module):
     ``exact_recent`` (with ``bits``): the sinks and the last ``exact_recent`` tokens (the current one included) stay
     exact, only the tokens between them are codes, as KIVI keeps its most recent tokens in full precision and as the
     student keeps its window; 0 codes everything.
+    ``hadamard`` (with ``bits``): the codes are of Hadamard-rotated vectors, as a student with
+    ``memory_hadamard`` codes its memory.
     """
 
-    def __init__(self, teacher, sinks: int, window: int, bits: Optional[int] = None, exact_recent: int = 0):
+    def __init__(self, teacher, sinks: int, window: int, bits: Optional[int] = None, exact_recent: int = 0,
+                 hadamard: bool = False):
         super().__init__()
         if sinks < 0 or window < 1:
             raise ValueError(f"need sinks >= 0 and window >= 1, got sinks={sinks}, window={window}")
@@ -373,6 +379,7 @@ class StreamingLLMBaseline(nn.Module):
         self.window = int(window)
         self.bits = bits
         self.exact_recent = int(exact_recent)
+        self.hadamard = bool(hadamard) and bool(bits)
 
     @property
     def config(self):
@@ -411,15 +418,16 @@ class StreamingLLMBaseline(nn.Module):
             return self.teacher(input_ids=input_ids, attention_mask=mask, labels=labels, use_cache=False, **kwargs)
         with attention_implementation(self.teacher, CODED_ATTENTION):
             return self.teacher(input_ids=input_ids, attention_mask=mask, labels=labels, use_cache=False,
-                                kv_bits=self.bits, kv_exact=(self.sinks, self.exact_recent), **kwargs)
+                                kv_bits=self.bits, kv_exact=(self.sinks, self.exact_recent),
+                                kv_hadamard=self.hadamard, **kwargs)
 
 
 def streaming_llm_baseline(teacher, sinks: int, window: int, bits: Optional[int] = None,
-                           exact_recent: int = 0) -> StreamingLLMBaseline:
+                           exact_recent: int = 0, hadamard: bool = False) -> StreamingLLMBaseline:
     """The teacher with a StreamingLLM-style cache (first ``sinks`` + last ``window`` tokens visible, no training),
     usable wherever a causal LM is scored here (:func:`perplexity`, :func:`recall_probe`). See
     :class:`StreamingLLMBaseline` for the positions, what the mask implies and the codes."""
-    return StreamingLLMBaseline(teacher, sinks, window, bits, exact_recent)
+    return StreamingLLMBaseline(teacher, sinks, window, bits, exact_recent, hadamard)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1028,13 +1036,15 @@ def _compared_models(student, teacher, results: dict, *, sinks: int, window, kv_
     bits = getattr(student.config, "memory_bits", None)
     if bits:
         # The student's memory holds 8- or 4-bit codes: the baselines again, their whole cache held in codes of that
-        # many bits (2 or 4 times the tokens; their scales not counted, which favours them)
-        coded, tag = CODED_COUNT[bits], f"equal memory, {bits}-bit codes"
+        # many bits (2 or 4 times the tokens; their scales not counted, which favours them), the student's quantizer
+        hadamard = bool(getattr(student.config, "memory_hadamard", False))
+        coded = CODED_COUNT[bits]
+        tag = f"equal memory, {bits}-bit {'Hadamard ' if hadamard else ''}codes"
         results["equal_memory_coded"] = {**equal_memory_window(student.config, teacher.config, sinks, kv_dtype,
                                                                baseline_dtype=coded), "bits": bits,
-                                         "held_in_codes": True}
+                                         "held_in_codes": True, "hadamard": hadamard}
         models.append(_streaming_entry(teacher, sinks, results["equal_memory_coded"]["window"], coded, tag, bits,
-                                       exact_dtype=kv_dtype))
+                                       exact_dtype=kv_dtype, hadamard=hadamard))
         if student_window > 0:
             # ... and with the student's own layout: sinks and its window exact, codes only beyond it (KIVI's
             # full-precision recent tokens), so the codes cost the baseline no more than they cost the student
@@ -1042,26 +1052,28 @@ def _compared_models(student, teacher, results: dict, *, sinks: int, window, kv_
                                         exact_recent=student_window)
             results["equal_memory_coded_exact_recent"] = {**exact, "bits": bits}
             models.append(_streaming_entry(teacher, sinks, exact["window"], coded,
-                                           f"{tag} beyond the last {student_window}", bits, student_window, kv_dtype))
+                                           f"{tag} beyond the last {student_window}", bits, student_window, kv_dtype,
+                                           hadamard))
         if retention:
             kept = equal_memory_retention(student.config, teacher.config, sinks, kv_dtype=kv_dtype,
                                           baseline_dtype=coded)
             results["equal_memory_retention_coded"] = {**kept, "bits": bits}
-            models.append(_retention_entry(teacher, kept, coded, tag, bits))
+            models.append(_retention_entry(teacher, kept, coded, tag, bits, hadamard))
     return models
 
 
 def _streaming_entry(teacher, sinks: int, window: int, dtype: torch.dtype, tag: str, bits: Optional[int] = None,
-                     exact_recent: int = 0, exact_dtype: Optional[torch.dtype] = None):
-    base = streaming_llm_baseline(teacher, sinks, window, bits, exact_recent)
+                     exact_recent: int = 0, exact_dtype: Optional[torch.dtype] = None, hadamard: bool = False):
+    base = streaming_llm_baseline(teacher, sinks, window, bits, exact_recent, hadamard)
     return ({"name": f"teacher, StreamingLLM S={sinks} W={window} ({tag})", "kind": "baseline", "sinks": sinks,
              "window": window, "memory_bytes": base.kv_bytes(dtype, exact_dtype), "memory_note": "constant"}, base)
 
 
-def _retention_entry(teacher, kept: dict, dtype: torch.dtype, tag: str, bits: Optional[int] = None):
+def _retention_entry(teacher, kept: dict, dtype: torch.dtype, tag: str, bits: Optional[int] = None,
+                     hadamard: bool = False):
     from .retention_baseline import retention_baseline
 
-    base = retention_baseline(teacher, kept["sinks"], kept["window"], kept["memory"], bits)
+    base = retention_baseline(teacher, kept["sinks"], kept["window"], kept["memory"], bits, hadamard)
     return ({"name": f"teacher, TOVA S={kept['sinks']} W={kept['window']} M={kept['memory']} ({tag})",
              "kind": "retention", "sinks": kept["sinks"], "window": kept["window"], "memory": kept["memory"],
              "memory_bytes": base.kv_bytes(dtype), "memory_note": "constant"}, base)
@@ -1252,7 +1264,8 @@ def _perplexity_lines(results: dict) -> list:
     if coded:
         # an evaluation.json written before the baselines held codes: they were only counted at the bits
         held = coded.get("held_in_codes")
-        how = (f"held in {coded['bits']}-bit codes by the student's quantizer" if held else
+        rotated = " (of the Hadamard-rotated vectors)" if coded.get("hadamard") else ""
+        how = (f"held in {coded['bits']}-bit codes{rotated} by the student's quantizer" if held else
                f"counted at {coded['bits']} bits per key/value element")
         favour = "are not counted" if held else "are not counted and they compute in float32"
         out.append(

@@ -124,7 +124,9 @@ def _student_summary(cfg: dict) -> str:
                          "retention score ranks high")
         stored = cfg.get('kv_cache_dtype') or 'the model dtype'
         if memory and cfg.get("memory_bits"):
-            parts.append(f"window keys/values stored in {stored}, memory keys/values as {cfg['memory_bits']}-bit codes")
+            rotated = " of their Hadamard rotation" if cfg.get("memory_hadamard") else ""
+            parts.append(f"window keys/values stored in {stored}, memory keys/values as {cfg['memory_bits']}-bit "
+                         f"codes{rotated}")
         else:
             parts.append(f"window and memory keys/values stored in {stored}")
     else:

