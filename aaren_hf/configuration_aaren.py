@@ -66,7 +66,7 @@ class AarenConfig(PreTrainedConfig):
         memory_hadamard (`bool`, False): code each memory key and value after a Hadamard rotation (exact, undone on
             reading), so that a few large channels (rotary keys have them) no longer set a scale that rounds the
             other channels to zero. Matters at 4 bits (the packaged teacher with its whole cache in 4-bit codes:
-            perplexity 1.37x without, 1.07x with), not at 8. Needs memory_bits and a head_dim that is a power of 2.
+            perplexity 1.37x without, 1.06x with), not at 8. Needs memory_bits and a head_dim that is a power of 2.
         layer_types (`list[str]`, None): per layer, "linear_attention" (the Aaren mixer above, named as transformers
             names recurrent layers) or "sliding_attention" (the window branch alone: exact softmax over sinks, window
             and memory, no Aaren state, no gate). None: all "linear_attention".

@@ -360,11 +360,11 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
 _HADAMARD_SIGNS: dict = {}
 
 
-def hadamard_signs(D: int, device) -> torch.Tensor:
-    """The D x D Sylvester-Hadamard matrix (+-1, symmetric) in float64, made once per size and device."""
-    key = (D, torch.device(device))
+def hadamard_signs(D: int, device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The D x D Sylvester-Hadamard matrix (+-1, symmetric), made once per size, device and dtype."""
+    key = (D, torch.device(device), dtype)
     if key not in _HADAMARD_SIGNS:
-        _HADAMARD_SIGNS[key] = hadamard(torch.eye(D, dtype=torch.float64, device=device)) * D
+        _HADAMARD_SIGNS[key] = hadamard(torch.eye(D, dtype=torch.float64, device=device)).mul(D).to(dtype)
     return _HADAMARD_SIGNS[key]
 
 
@@ -389,12 +389,15 @@ def quantize_memory(x: torch.Tensor, bits: int, rotate: bool = False) -> tuple[t
 
 def dequantize_memory(codes: torch.Tensor, scale: torch.Tensor, rotate: bool = False) -> torch.Tensor:
     """Float32 values of :func:`quantize_memory`'s codes (exact: a code has at most 8 significant bits, the scale 8).
-    ``rotate``: the codes are of :func:`hadamard` of the vector; turned back by the +-1 matrix in float64 (whole
-    numbers below 2^13 whatever the order of the sums, and float64 is the one dtype autocast leaves alone)."""
+    ``rotate``: the codes are of :func:`hadamard` of the vector; turned back by the +-1 matrix: a product of whole
+    numbers below 2^13, exact in float32 (TF32 too: its inputs here have at most 7 bits) whatever the order of the
+    sums. Under autocast a float32 product would come back in 16 bits, so there it runs in float64, the one dtype
+    autocast leaves alone (decoding a step in float64 costs a third more time on a CPU)."""
     if codes.dtype == torch.uint8:  # 4 bits, two to a byte
         codes = torch.cat([codes & 15, codes >> 4], -1).float() - 8
     if rotate:
-        codes = (codes.double() @ hadamard_signs(codes.shape[-1], codes.device)).float()
+        wide = torch.float64 if torch.is_autocast_enabled(codes.device.type) else torch.float32
+        codes = (codes.to(wide) @ hadamard_signs(codes.shape[-1], codes.device, wide)).float()
     return codes.float() * scale.float()
 
 

@@ -149,7 +149,7 @@ def convert_parser() -> argparse.ArgumentParser:
     g.add_argument("--memory-hadamard", choices=("on", "off"),
                    help="code the memory's keys/values after an exact Hadamard rotation, so that a few large key "
                         "channels do not round the others to zero. Default: on with 4-bit codes (the packaged "
-                        "teacher's cache in 4-bit codes: 1.37x its perplexity without, 1.07x with), off otherwise "
+                        "teacher's cache in 4-bit codes: 1.37x its perplexity without, 1.06x with), off otherwise "
                         "(at 8 bits it measured no difference and only costs decoding time)")
     g.add_argument("--convert-layers", metavar="LAYERS",
                    help="which layers become Aaren layers: 'all', 'none', 'global' (the teacher's full-attention "
