@@ -29,26 +29,23 @@ def codes_table(teacher, windows: torch.Tensor, bits=(8, 4), batch_size: int = 4
 
     from aaren_hf.conversion.evaluate import perplexity, streaming_llm_baseline
 
-    def mean_kl(model):
-        total, count = 0.0, 0
-        for start in range(0, len(windows), batch_size):
-            batch = windows[start : start + batch_size]
-            with torch.no_grad():
-                want = F.log_softmax(teacher(input_ids=batch).logits.float(), -1)
-                got = F.log_softmax(model(input_ids=batch).logits.float(), -1)
-            total += (want.exp() * (want - got)).sum().item()
-            count += want.shape[0] * want.shape[1]
-        return total / count
-
     length = windows.shape[1]
+    forms = [(b, hadamard) for b in bits for hadamard in (False, True)]
+    cached = {form: streaming_llm_baseline(teacher, 0, length, bits=form[0], hadamard=form[1]) for form in forms}
+    kl = dict.fromkeys(forms, 0.0)
+    for start in range(0, len(windows), batch_size):  # the teacher's distribution once per batch, for every form
+        batch = windows[start : start + batch_size]
+        with torch.no_grad():
+            want = F.log_softmax(teacher(input_ids=batch).logits.float(), -1)
+            for form, model in cached.items():
+                got = F.log_softmax(model(input_ids=batch).logits.float(), -1)
+                kl[form] += (want.exp() * (want - got)).sum().item() / (windows.shape[0] * length)
     base = perplexity(teacher, windows, batch_size=batch_size)["ppl"]
     rows = [{"codes": "none (the teacher)", "bits": None, "hadamard": False, "ppl": base, "ratio": 1.0, "kl": 0.0}]
-    for b in bits:
-        for hadamard in (False, True):
-            cached = streaming_llm_baseline(teacher, 0, length, bits=b, hadamard=hadamard)
-            ppl = perplexity(cached, windows, batch_size=batch_size)["ppl"]
-            rows.append({"codes": f"{b}-bit{', Hadamard-rotated' if hadamard else ''}", "bits": b,
-                         "hadamard": hadamard, "ppl": ppl, "ratio": ppl / base, "kl": mean_kl(cached)})
+    for (b, hadamard), model in cached.items():
+        ppl = perplexity(model, windows, batch_size=batch_size)["ppl"]
+        rows.append({"codes": f"{b}-bit{', Hadamard-rotated' if hadamard else ''}", "bits": b, "hadamard": hadamard,
+                     "ppl": ppl, "ratio": ppl / base, "kl": kl[(b, hadamard)]})
     return rows
 
 
