@@ -11,6 +11,7 @@ Nothing grows with the context.
 """
 
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -368,46 +369,71 @@ def hadamard_signs(D: int, device, dtype: torch.dtype = torch.float32) -> torch.
     return _HADAMARD_SIGNS[key]
 
 
-def quantize_memory(x: torch.Tensor, bits: int, rotate: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., D] as ``bits``-bit integer codes and one bfloat16 scale per vector (its largest magnitude over the
-    largest code), symmetric: (codes, scale [..., 1]). 8 bits: int8 codes; 4 bits: codes + 8 in 1..15, the first
-    half of the vector in the low nibbles and the second in the high ones, D / 2 bytes. The scale is rounded before
-    the codes are taken, so quantizing a dequantized vector gives back the same codes and scale: memory entries can
-    go back and forth between the two forms without drifting. ``rotate``: code :func:`hadamard` of x instead, which
-    spreads a few large channels (rotary keys have them) over all D, so they no longer set a scale that rounds the
-    other channels to zero; still exact back and forth (docs/aaren_math.md, section 4)."""
-    top = 2 ** (bits - 1) - 1
-    x = hadamard(x.float()) if rotate else x.float()
-    scale = (x.abs().amax(-1, keepdim=True) / top).to(torch.bfloat16)
-    codes = torch.round(x / scale.float().clamp(min=torch.finfo(torch.float32).tiny)).clamp(-top, top)
-    if bits == 8:
-        return codes.to(torch.int8), scale
-    codes = (codes + 8).to(torch.uint8)
-    half = x.shape[-1] // 2
-    return codes[..., :half] | (codes[..., half:] << 4), scale
+@dataclass(frozen=True)
+class MemoryCodes:
+    """How the memory stores its keys and values when ``memory_bits`` is set: ``bits``-bit integer codes with one
+    bfloat16 scale per vector, of the vector's :func:`hadamard` rotation when ``rotate`` (``memory_hadamard``).
+    The one home of the memory quantizer: the mixer and every baseline held in codes go through it."""
+
+    bits: int
+    rotate: bool = False
+
+    def __post_init__(self):
+        if self.bits not in (8, 4) or not isinstance(self.rotate, bool):
+            raise ValueError(f"memory codes have 8 or 4 bits and rotate True or False, got {self}")
+
+    @classmethod
+    def of(cls, config) -> Optional["MemoryCodes"]:
+        """A config's memory codes (None: the memory stores keys and values as the window does)."""
+        bits = getattr(config, "memory_bits", None)
+        return cls(bits, bool(getattr(config, "memory_hadamard", False))) if bits else None
+
+    def __str__(self):
+        return f"{self.bits}-bit {'Hadamard ' if self.rotate else ''}codes"
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [..., D] as codes and one bfloat16 scale per vector (its largest magnitude over the largest code),
+        symmetric: (codes, scale [..., 1]). 8 bits: int8 codes; 4 bits: codes + 8 in 1..15, the first half of the
+        vector in the low nibbles and the second in the high ones, D / 2 bytes. The scale is rounded before the codes
+        are taken, so coding a decoded vector gives back the same codes and scale: memory entries can go back and
+        forth between the two forms without drifting. ``rotate``: the codes are of :func:`hadamard` of x, which
+        spreads a few large channels (rotary keys have them) over all D, so they no longer set a scale that rounds
+        the other channels to zero; still exact back and forth (docs/aaren_math.md, section 4)."""
+        top = 2 ** (self.bits - 1) - 1
+        x = hadamard(x.float()) if self.rotate else x.float()
+        scale = (x.abs().amax(-1, keepdim=True) / top).to(torch.bfloat16)
+        codes = torch.round(x / scale.float().clamp(min=torch.finfo(torch.float32).tiny)).clamp(-top, top)
+        if self.bits == 8:
+            return codes.to(torch.int8), scale
+        codes = (codes + 8).to(torch.uint8)
+        half = x.shape[-1] // 2
+        return codes[..., :half] | (codes[..., half:] << 4), scale
+
+    def decode(self, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """Float32 values of :meth:`encode`'s codes (exact: a code has at most 8 significant bits, the scale 8).
+        Rotated codes are turned back by the +-1 matrix: a product of whole numbers below 2^13, exact in float32
+        (TF32 too: its inputs here have at most 7 bits) whatever the order of the sums. Under autocast a float32
+        product would come back in 16 bits, so there it runs in float64, the one dtype autocast leaves alone
+        (decoding a step in float64 costs a third more time on a CPU)."""
+        if codes.dtype == torch.uint8:  # 4 bits, two to a byte
+            codes = torch.cat([codes & 15, codes >> 4], -1).float() - 8
+        if self.rotate:
+            wide = torch.float64 if _autocast_on(codes.device.type) else torch.float32
+            codes = (codes.to(wide) @ hadamard_signs(codes.shape[-1], codes.device, wide)).float()
+        return codes.float() * scale.float()
+
+    def round(self, x: torch.Tensor) -> torch.Tensor:
+        """x as the memory stores it gives it back, in float32. Gradients pass straight through to x, as they do
+        through :func:`round_to_cache`'s casts."""
+        x = x.float()
+        return self.decode(*self.encode(x.detach())) + (x - x.detach())
 
 
-def dequantize_memory(codes: torch.Tensor, scale: torch.Tensor, rotate: bool = False) -> torch.Tensor:
-    """Float32 values of :func:`quantize_memory`'s codes (exact: a code has at most 8 significant bits, the scale 8).
-    ``rotate``: the codes are of :func:`hadamard` of the vector; turned back by the +-1 matrix: a product of whole
-    numbers below 2^13, exact in float32 (TF32 too: its inputs here have at most 7 bits) whatever the order of the
-    sums. Under autocast a float32 product would come back in 16 bits, so there it runs in float64, the one dtype
-    autocast leaves alone (decoding a step in float64 costs a third more time on a CPU)."""
-    if codes.dtype == torch.uint8:  # 4 bits, two to a byte
-        codes = torch.cat([codes & 15, codes >> 4], -1).float() - 8
-    if rotate:
-        wide = torch.float64 if torch.is_autocast_enabled(codes.device.type) else torch.float32
-        codes = (codes.to(wide) @ hadamard_signs(codes.shape[-1], codes.device, wide)).float()
-    return codes.float() * scale.float()
-
-
-def round_to_memory(x: torch.Tensor, bits: Optional[int], rotate: bool = False) -> torch.Tensor:
-    """x as a memory stored in ``bits`` (``rotate``: Hadamard-rotated codes) gives it back, in float32 (None: x
-    unchanged). Gradients pass straight through to x, as they do through :func:`round_to_cache`'s casts."""
-    if bits is None:
-        return x
-    x = x.float()
-    return dequantize_memory(*quantize_memory(x.detach(), bits, rotate), rotate) + (x - x.detach())
+def _autocast_on(device_type: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except TypeError:  # torch < 2.4 (a Hub user's): no per-device query
+        return torch.is_autocast_enabled() if device_type == "cuda" else torch.is_autocast_cpu_enabled()
 
 
 def round_retention(score: torch.Tensor) -> torch.Tensor:
@@ -550,8 +576,7 @@ class AarenMixer(nn.Module):
         self.memory_rule = config.memory_rule
         self.memory_shared_layer = config.memory_shared_layer
         self.kv_cache_dtype = getattr(torch, config.kv_cache_dtype) if config.kv_cache_dtype else None
-        self.memory_bits = config.memory_bits if self.memory_size > 0 else None
-        self.memory_hadamard = bool(config.memory_hadamard) and self.memory_bits is not None
+        self.memory_codes = MemoryCodes.of(config) if self.memory_size > 0 else None  # None: stored as the window
         if self.memory_size > 0 and self.memory_rule == "learned":
             self.retention_proj = nn.Linear(E, Hkv, bias=True)
 
@@ -876,9 +901,10 @@ class AarenMixer(nn.Module):
         if state is not None and state.window_score is not None:
             prev_score = state.window_score
         # as the memory would store them: what a query reads of a token that has left the window
-        codes = (self.memory_bits, self.memory_hadamard)
-        stream_k = round_to_memory(torch.cat([k_prev.to(k.dtype), k], 1).transpose(1, 2), *codes)
-        stream_v = round_to_memory(torch.cat([v_prev.to(v.dtype), v], 1).transpose(1, 2), *codes)
+        stream_k = torch.cat([k_prev.to(k.dtype), k], 1).transpose(1, 2)
+        stream_v = torch.cat([v_prev.to(v.dtype), v], 1).transpose(1, 2)
+        if self.memory_codes is not None:
+            stream_k, stream_v = self.memory_codes.round(stream_k), self.memory_codes.round(stream_v)
         stream_pos = torch.cat([pos_prev, pos], 1).unsqueeze(1).expand(B, Hkv, -1)
         stream_score = torch.cat([prev_score, retention], 1)
         if state is not None and state.memory_k is not None:
@@ -918,18 +944,17 @@ class AarenMixer(nn.Module):
     def as_stored(self, k, v, stored: torch.dtype) -> dict:
         """Keys and values [B, Hkv, C, D] as the memory stores them: {"k", "v"} in ``stored``, or with memory_bits
         their codes and {"k_scale", "v_scale"}."""
-        if self.memory_bits is None:
+        if self.memory_codes is None:
             return {"k": k.detach().to(stored), "v": v.detach().to(stored)}
-        codes, scale = quantize_memory(torch.stack([k.detach(), v.detach()]), self.memory_bits,  # one pass: decoding
-                                       self.memory_hadamard)
+        codes, scale = self.memory_codes.encode(torch.stack([k.detach(), v.detach()]))  # one pass: decoding
         return {"k": codes[0], "v": codes[1], "k_scale": scale[0], "v_scale": scale[1]}
 
     def memory_entries(self, state):
         """The memory's keys and values as a query reads them (float32 with memory_bits, else as stored)."""
-        if self.memory_bits is None:
+        if self.memory_codes is None:
             return state.memory_k, state.memory_v
-        return (dequantize_memory(state.memory_k, state.memory_k_scale, self.memory_hadamard),
-                dequantize_memory(state.memory_v, state.memory_v_scale, self.memory_hadamard))
+        return (self.memory_codes.decode(state.memory_k, state.memory_k_scale),
+                self.memory_codes.decode(state.memory_v, state.memory_v_scale))
 
     @staticmethod
     def fill_memory(state, candidates, idx):

@@ -1,8 +1,8 @@
 # Copyright 2026 The aaren-hf authors. Apache-2.0.
 """What the memory's quantizer costs: the teacher with its whole KV cache held in the memory's codes.
 
-A memory entry of a converted model is read back through ``quantize_memory`` / ``dequantize_memory`` (one bfloat16
-scale per key or value vector; with ``memory_hadamard``, of the Hadamard-rotated vector). This script isolates the
+A memory entry of a converted model is read back through its ``MemoryCodes`` (one bfloat16 scale per key or value
+vector; with ``memory_hadamard``, of the Hadamard-rotated vector). This script isolates the
 quantizer from everything else: the untrained teacher reads every key and value of its cache through it (a
 StreamingLLM cache whose window covers the whole window of text, so nothing is evicted), for each code width and
 with and without the rotation, and its perplexity on held-out windows is printed beside the teacher's own, in one
@@ -28,10 +28,11 @@ def codes_table(teacher, windows: torch.Tensor, bits=(8, 4), batch_size: int = 4
     import torch.nn.functional as F
 
     from aaren_hf.conversion.evaluate import perplexity, streaming_llm_baseline
+    from aaren_hf.modeling_aaren import MemoryCodes
 
     length = windows.shape[1]
-    forms = [(b, hadamard) for b in bits for hadamard in (False, True)]
-    cached = {form: streaming_llm_baseline(teacher, 0, length, bits=form[0], hadamard=form[1]) for form in forms}
+    forms = [MemoryCodes(b, rotate) for b in bits for rotate in (False, True)]
+    cached = {codes: streaming_llm_baseline(teacher, 0, length, codes) for codes in forms}
     kl = dict.fromkeys(forms, 0.0)
     for start in range(0, len(windows), batch_size):  # the teacher's distribution once per batch, for every form
         batch = windows[start : start + batch_size]
@@ -42,10 +43,10 @@ def codes_table(teacher, windows: torch.Tensor, bits=(8, 4), batch_size: int = 4
                 kl[form] += (want.exp() * (want - got)).sum().item() / (windows.shape[0] * length)
     base = perplexity(teacher, windows, batch_size=batch_size)["ppl"]
     rows = [{"codes": "none (the teacher)", "bits": None, "hadamard": False, "ppl": base, "ratio": 1.0, "kl": 0.0}]
-    for (b, hadamard), model in cached.items():
+    for codes, model in cached.items():
         ppl = perplexity(model, windows, batch_size=batch_size)["ppl"]
-        rows.append({"codes": f"{b}-bit{', Hadamard-rotated' if hadamard else ''}", "bits": b, "hadamard": hadamard,
-                     "ppl": ppl, "ratio": ppl / base, "kl": kl[(b, hadamard)]})
+        rows.append({"codes": f"{codes.bits}-bit{', Hadamard-rotated' if codes.rotate else ''}", "bits": codes.bits,
+                     "hadamard": codes.rotate, "ppl": ppl, "ratio": ppl / base, "kl": kl[codes]})
     return rows
 
 

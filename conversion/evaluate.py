@@ -40,6 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from aaren_hf.modeling_aaren import MemoryCodes
+
 from .recall import _ids
 
 __all__ = [
@@ -115,33 +117,22 @@ CODED_COUNT = {8: torch.float8_e4m3fn, 4: torch.float4_e2m1fn_x2}
 CODED_ATTENTION = "aaren_coded_sdpa"
 
 
-def as_codes_give_back(x: torch.Tensor, bits: int, hadamard: bool = False) -> torch.Tensor:
-    """Keys or values [..., D] as a cache holding them in ``bits``-bit codes gives them back: the student's own
-    memory quantizer (one scale per vector; ``hadamard``: of the rotated vector, AarenConfig.memory_hadamard), so a
-    baseline held in codes loses what the student's memory loses."""
-    from aaren_hf.modeling_aaren import round_to_memory
-
-    return round_to_memory(x.detach(), bits, hadamard).to(x.dtype)
-
-
 def _register_coded_attention() -> None:
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    def coded_sdpa(module, query, key, value, attention_mask, kv_bits=None, kv_exact=None, kv_hadamard=False,
-                   **kwargs):
+    def coded_sdpa(module, query, key, value, attention_mask, kv_codes=None, kv_exact=None, **kwargs):
         """A baseline whose cache holds codes: every key and value (the current token's too, as it is read from the
-        cache) through :func:`as_codes_give_back`, then transformers' SDPA attention. ``kv_exact`` = (sinks, recent):
+        cache) through ``kv_codes`` (the student's memory quantizer), then transformers' SDPA attention. ``kv_exact`` = (sinks, recent):
         query t reads key j exactly where j < sinks or t - j < recent, as codes elsewhere. Whether a key is exact
         depends on who reads it, so each query gets both versions of every key, side by side, and the mask lets it
         see exactly one: one softmax over what that step's cache holds. A hybrid teacher's local layers (Gemma-3)
         read exactly: the student keeps them as the teacher does, so the baseline does too."""
-        if kv_bits is None:
-            raise RuntimeError(f"attn_implementation {CODED_ATTENTION!r} is driven by StreamingLLMBaseline(bits=...)")
+        if kv_codes is None:
+            raise RuntimeError(f"attn_implementation {CODED_ATTENTION!r} is driven by StreamingLLMBaseline(codes=...)")
         if getattr(module, "is_sliding", False):
             return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-        coded_key = as_codes_give_back(key, kv_bits, kv_hadamard)
-        coded_value = as_codes_give_back(value, kv_bits, kv_hadamard)
+        coded_key, coded_value = (kv_codes.round(x.detach()).to(x.dtype) for x in (key, value))
         if not kv_exact or not kv_exact[1]:
             return sdpa_attention_forward(module, query, coded_key, coded_value, attention_mask, **kwargs)
         sinks, recent = kv_exact
@@ -345,20 +336,17 @@ class StreamingLLMBaseline(nn.Module):
     already has a sliding window (Mistral, Gemma 2 local layers) get this mask instead of their own.
     ``generate()`` is not provided: the probe and perplexity score with teacher forcing.
 
-    ``bits`` (8 or 4): the cache holds its keys and values as codes of that many bits, made by the student's own
-    memory quantizer (:func:`as_codes_give_back`; symmetric, one bfloat16 scale per vector), the current token's
+    ``codes`` (a :class:`~aaren_hf.modeling_aaren.MemoryCodes`, the student's memory quantizer: 8 or 4 bits, one
+    bfloat16 scale per vector, Hadamard-rotated or not): the cache holds its keys and values so, the current token's
     included (a hybrid teacher's local layers excepted: the student keeps them exact); attention then runs in SDPA.
     What a user who also quantizes a StreamingLLM cache would get from this quantizer (better ones exist, e.g.
     per-channel keys as in KIVI; so it is a bar, not a ceiling).
-    ``exact_recent`` (with ``bits``): the sinks and the last ``exact_recent`` tokens (the current one included) stay
+    ``exact_recent`` (with ``codes``): the sinks and the last ``exact_recent`` tokens (the current one included) stay
     exact, only the tokens between them are codes, as KIVI keeps its most recent tokens in full precision and as the
     student keeps its window; 0 codes everything.
-    ``hadamard`` (with ``bits``): the codes are of Hadamard-rotated vectors, as a student with
-    ``memory_hadamard`` codes its memory.
     """
 
-    def __init__(self, teacher, sinks: int, window: int, bits: Optional[int] = None, exact_recent: int = 0,
-                 hadamard: bool = False):
+    def __init__(self, teacher, sinks: int, window: int, codes: Optional[MemoryCodes] = None, exact_recent: int = 0):
         super().__init__()
         if sinks < 0 or window < 1:
             raise ValueError(f"need sinks >= 0 and window >= 1, got sinks={sinks}, window={window}")
@@ -369,17 +357,16 @@ class StreamingLLMBaseline(nn.Module):
                 "not take. Load the teacher with attn_implementation='sdpa' (or 'eager'), or call "
                 "teacher.set_attn_implementation('sdpa')."
             )
-        if bits not in (None, 8, 4):
-            raise ValueError(f"bits must be 8, 4 or None (no codes), got {bits!r}")
-        if (exact_recent and not bits) or not 0 <= exact_recent <= window:
-            raise ValueError(f"exact_recent must be in [0, window={window}] and needs bits (the rest held in codes), "
-                             f"got exact_recent={exact_recent!r}, bits={bits!r}")
+        if codes is not None and not isinstance(codes, MemoryCodes):
+            raise ValueError(f"codes must be a MemoryCodes (e.g. MemoryCodes(4, rotate=True)) or None, got {codes!r}")
+        if (exact_recent and not codes) or not 0 <= exact_recent <= window:
+            raise ValueError(f"exact_recent must be in [0, window={window}] and needs codes (the rest held in them), "
+                             f"got exact_recent={exact_recent!r}, codes={codes!r}")
         self.teacher = teacher
         self.sinks = int(sinks)
         self.window = int(window)
-        self.bits = bits
+        self.codes = codes
         self.exact_recent = int(exact_recent)
-        self.hadamard = bool(hadamard) and bool(bits)
 
     @property
     def config(self):
@@ -414,20 +401,19 @@ class StreamingLLMBaseline(nn.Module):
         if local:  # a hybrid teacher (Gemma-3): only the global layers get the StreamingLLM cache
             own = streaming_llm_mask(T, 0, local, dtype=dtype, device=input_ids.device).expand(B, 1, T, T)
             mask = {"full_attention": mask, "sliding_attention": own}
-        if not self.bits:
+        if self.codes is None:
             return self.teacher(input_ids=input_ids, attention_mask=mask, labels=labels, use_cache=False, **kwargs)
         with attention_implementation(self.teacher, CODED_ATTENTION):
             return self.teacher(input_ids=input_ids, attention_mask=mask, labels=labels, use_cache=False,
-                                kv_bits=self.bits, kv_exact=(self.sinks, self.exact_recent),
-                                kv_hadamard=self.hadamard, **kwargs)
+                                kv_codes=self.codes, kv_exact=(self.sinks, self.exact_recent), **kwargs)
 
 
-def streaming_llm_baseline(teacher, sinks: int, window: int, bits: Optional[int] = None,
-                           exact_recent: int = 0, hadamard: bool = False) -> StreamingLLMBaseline:
+def streaming_llm_baseline(teacher, sinks: int, window: int, codes: Optional[MemoryCodes] = None,
+                           exact_recent: int = 0) -> StreamingLLMBaseline:
     """The teacher with a StreamingLLM-style cache (first ``sinks`` + last ``window`` tokens visible, no training),
     usable wherever a causal LM is scored here (:func:`perplexity`, :func:`recall_probe`). See
     :class:`StreamingLLMBaseline` for the positions, what the mask implies and the codes."""
-    return StreamingLLMBaseline(teacher, sinks, window, bits, exact_recent, hadamard)
+    return StreamingLLMBaseline(teacher, sinks, window, codes, exact_recent)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1033,18 +1019,18 @@ def _compared_models(student, teacher, results: dict, *, sinks: int, window, kv_
         kept = equal_memory_retention(student.config, teacher.config, sinks, kv_dtype=kv_dtype)
         results["equal_memory_retention"] = kept
         models.append(_retention_entry(teacher, kept, kv_dtype, "equal memory"))
-    bits = getattr(student.config, "memory_bits", None)
-    if bits:
+    codes = MemoryCodes.of(student.config)
+    if codes is not None:
         # The student's memory holds 8- or 4-bit codes: the baselines again, their whole cache held in codes of that
         # many bits (2 or 4 times the tokens; their scales not counted, which favours them), the student's quantizer
-        hadamard = bool(getattr(student.config, "memory_hadamard", False))
+        bits = codes.bits
         coded = CODED_COUNT[bits]
-        tag = f"equal memory, {bits}-bit {'Hadamard ' if hadamard else ''}codes"
+        tag = f"equal memory, {codes}"
         results["equal_memory_coded"] = {**equal_memory_window(student.config, teacher.config, sinks, kv_dtype,
                                                                baseline_dtype=coded), "bits": bits,
-                                         "held_in_codes": True, "hadamard": hadamard}
-        models.append(_streaming_entry(teacher, sinks, results["equal_memory_coded"]["window"], coded, tag, bits,
-                                       exact_dtype=kv_dtype, hadamard=hadamard))
+                                         "held_in_codes": True, "hadamard": codes.rotate}
+        models.append(_streaming_entry(teacher, sinks, results["equal_memory_coded"]["window"], coded, tag, codes,
+                                       exact_dtype=kv_dtype))
         if student_window > 0:
             # ... and with the student's own layout: sinks and its window exact, codes only beyond it (KIVI's
             # full-precision recent tokens), so the codes cost the baseline no more than they cost the student
@@ -1052,28 +1038,27 @@ def _compared_models(student, teacher, results: dict, *, sinks: int, window, kv_
                                         exact_recent=student_window)
             results["equal_memory_coded_exact_recent"] = {**exact, "bits": bits}
             models.append(_streaming_entry(teacher, sinks, exact["window"], coded,
-                                           f"{tag} beyond the last {student_window}", bits, student_window, kv_dtype,
-                                           hadamard))
+                                           f"{tag} beyond the last {student_window}", codes, student_window, kv_dtype))
         if retention:
             kept = equal_memory_retention(student.config, teacher.config, sinks, kv_dtype=kv_dtype,
                                           baseline_dtype=coded)
             results["equal_memory_retention_coded"] = {**kept, "bits": bits}
-            models.append(_retention_entry(teacher, kept, coded, tag, bits, hadamard))
+            models.append(_retention_entry(teacher, kept, coded, tag, codes))
     return models
 
 
-def _streaming_entry(teacher, sinks: int, window: int, dtype: torch.dtype, tag: str, bits: Optional[int] = None,
-                     exact_recent: int = 0, exact_dtype: Optional[torch.dtype] = None, hadamard: bool = False):
-    base = streaming_llm_baseline(teacher, sinks, window, bits, exact_recent, hadamard)
+def _streaming_entry(teacher, sinks: int, window: int, dtype: torch.dtype, tag: str,
+                     codes: Optional[MemoryCodes] = None, exact_recent: int = 0,
+                     exact_dtype: Optional[torch.dtype] = None):
+    base = streaming_llm_baseline(teacher, sinks, window, codes, exact_recent)
     return ({"name": f"teacher, StreamingLLM S={sinks} W={window} ({tag})", "kind": "baseline", "sinks": sinks,
              "window": window, "memory_bytes": base.kv_bytes(dtype, exact_dtype), "memory_note": "constant"}, base)
 
 
-def _retention_entry(teacher, kept: dict, dtype: torch.dtype, tag: str, bits: Optional[int] = None,
-                     hadamard: bool = False):
+def _retention_entry(teacher, kept: dict, dtype: torch.dtype, tag: str, codes: Optional[MemoryCodes] = None):
     from .retention_baseline import retention_baseline
 
-    base = retention_baseline(teacher, kept["sinks"], kept["window"], kept["memory"], bits, hadamard)
+    base = retention_baseline(teacher, kept["sinks"], kept["window"], kept["memory"], codes)
     return ({"name": f"teacher, TOVA S={kept['sinks']} W={kept['window']} M={kept['memory']} ({tag})",
              "kind": "retention", "sinks": kept["sinks"], "window": kept["window"], "memory": kept["memory"],
              "memory_bytes": base.kv_bytes(dtype), "memory_note": "constant"}, base)

@@ -44,6 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from aaren_hf.modeling_aaren import MemoryCodes
+
 __all__ = ["ATTENTION_NAME", "RetentionBaseline", "TOVAState", "equal_memory_retention", "retention_baseline"]
 
 ATTENTION_NAME = "aaren_tova"
@@ -52,10 +54,9 @@ ATTENTION_NAME = "aaren_tova"
 class TOVAState:
     """Settings of one :class:`RetentionBaseline` forward, and what each layer retained at its end."""
 
-    def __init__(self, sinks: int, window: int, memory: int, bits: Optional[int] = None, hadamard: bool = False):
+    def __init__(self, sinks: int, window: int, memory: int, codes: Optional[MemoryCodes] = None):
         self.sinks, self.window, self.memory = int(sinks), int(window), int(memory)
-        self.bits = bits  # the cache's keys and values as codes of that many bits (see StreamingLLMBaseline)
-        self.hadamard = hadamard
+        self.codes = codes  # the cache's keys and values held in these codes (see StreamingLLMBaseline)
         self.memory_positions: dict[int, torch.Tensor] = {}  # layer -> [B, m] positions in the memory at the end
 
     @torch.no_grad()
@@ -127,11 +128,8 @@ def _tova_attention(module, query, key, value, attention_mask, scaling=None, dro
         raise RuntimeError(f"attn_implementation {ATTENTION_NAME!r} is driven by RetentionBaseline only")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    if tova_state.bits:
-        from .evaluate import as_codes_give_back
-
-        key = as_codes_give_back(key, tova_state.bits, tova_state.hadamard)
-        value = as_codes_give_back(value, tova_state.bits, tova_state.hadamard)
+    if tova_state.codes is not None:
+        key, value = (tova_state.codes.round(x.detach()).to(x.dtype) for x in (key, value))
     return tova_state.scan(module.layer_idx, query, key, value, scaling), None
 
 
@@ -158,23 +156,20 @@ class RetentionBaseline(nn.Module):
     token), so :func:`~aaren_hf.conversion.evaluate.recall_probe` scores it as is; ``logits_to_keep=k`` keeps only
     the last k positions (the other steps skip the LM head). :meth:`token_nll` gives per-token NLLs without holding
     [B, T, vocab] logits, which :func:`~aaren_hf.conversion.evaluate.perplexity` uses. Natural positions, as in the
-    StreamingLLM baseline. ``memory=0`` is that baseline, computed by decoding instead of a mask. ``bits``: the cache
-    holds its keys and values as codes of that many bits (:class:`~aaren_hf.conversion.evaluate.StreamingLLMBaseline`
-    says how; ``hadamard``: codes of Hadamard-rotated vectors, as there).
+    StreamingLLM baseline. ``memory=0`` is that baseline, computed by decoding instead of a mask. ``codes``: the cache
+    holds its keys and values in these codes (as :class:`~aaren_hf.conversion.evaluate.StreamingLLMBaseline` does).
     """
 
-    def __init__(self, teacher, sinks: int, window: int, memory: int, bits: Optional[int] = None,
-                 hadamard: bool = False):
+    def __init__(self, teacher, sinks: int, window: int, memory: int, codes: Optional[MemoryCodes] = None):
         super().__init__()
         if sinks < 0 or window < 1 or memory < 0:
             raise ValueError(f"need sinks >= 0, window >= 1 and memory >= 0, got sinks={sinks}, window={window}, "
                              f"memory={memory}")
-        if bits not in (None, 8, 4):
-            raise ValueError(f"bits must be 8, 4 or None (no codes), got {bits!r}")
+        if codes is not None and not isinstance(codes, MemoryCodes):
+            raise ValueError(f"codes must be a MemoryCodes (e.g. MemoryCodes(4, rotate=True)) or None, got {codes!r}")
         self.teacher = teacher
         self.sinks, self.window, self.memory = int(sinks), int(window), int(memory)
-        self.bits = bits
-        self.hadamard = bool(hadamard) and bool(bits)
+        self.codes = codes
         self.last_state: Optional[TOVAState] = None  # the cache after the latest forward, for inspection
 
     @property
@@ -202,7 +197,7 @@ class RetentionBaseline(nn.Module):
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
         from .evaluate import attention_implementation
 
-        state = TOVAState(self.sinks, self.window, self.memory, self.bits, self.hadamard)
+        state = TOVAState(self.sinks, self.window, self.memory, self.codes)
         self.last_state = state
         with attention_implementation(self.teacher, ATTENTION_NAME):
             # natural positions 0..T-1 (transformers' default without a cache); no mask: the scan is the mask
@@ -234,10 +229,10 @@ class RetentionBaseline(nn.Module):
         return torch.cat(nll, 1)
 
 
-def retention_baseline(teacher, sinks: int, window: int, memory: int, bits: Optional[int] = None,
-                       hadamard: bool = False) -> RetentionBaseline:
+def retention_baseline(teacher, sinks: int, window: int, memory: int,
+                       codes: Optional[MemoryCodes] = None) -> RetentionBaseline:
     """The teacher with S sinks + a W window + M TOVA-retained tokens per layer; see :class:`RetentionBaseline`."""
-    return RetentionBaseline(teacher, sinks, window, memory, bits, hadamard)
+    return RetentionBaseline(teacher, sinks, window, memory, codes)
 
 
 def equal_memory_retention(student_config, teacher_config, sinks: int, window: Optional[int] = None,

@@ -11,6 +11,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForC
 from aaren_hf import AarenConfig, AarenForCausalLM
 from aaren_hf.conversion import evaluate as ev
 from aaren_hf.conversion.model_card import teacher_hub_info, write_model_card
+from aaren_hf.modeling_aaren import MemoryCodes
 
 VOCAB = 257  # 256 byte tokens + <|endoftext|>
 
@@ -271,25 +272,25 @@ def test_baselines_held_in_codes_read_what_the_codes_give_back(make, windows):
         plain = ev.streaming_llm_baseline(teacher, 2, 6)(input_ids=windows).logits
         moved = {}
         for bits in (8, 4):
-            masked = ev.streaming_llm_baseline(teacher, 2, 6, bits=bits)(input_ids=windows).logits
-            scanned = RetentionBaseline(teacher, 2, 6, 0, bits=bits)(input_ids=windows).logits
+            masked = ev.streaming_llm_baseline(teacher, 2, 6, MemoryCodes(bits))(input_ids=windows).logits
+            scanned = RetentionBaseline(teacher, 2, 6, 0, MemoryCodes(bits))(input_ids=windows).logits
             torch.testing.assert_close(scanned, masked, rtol=1e-4, atol=1e-4)
             moved[bits] = (masked - plain).abs().amax().item()
             assert teacher.config._attn_implementation == impl
-        kept = RetentionBaseline(teacher, 2, 6, 3, bits=4)(input_ids=windows).logits
+        kept = RetentionBaseline(teacher, 2, 6, 3, MemoryCodes(4))(input_ids=windows).logits
         kept_plain = RetentionBaseline(teacher, 2, 6, 3)(input_ids=windows).logits
-        rotated = ev.streaming_llm_baseline(teacher, 2, 6, bits=4, hadamard=True)(input_ids=windows).logits
-        rotated_scan = RetentionBaseline(teacher, 2, 6, 0, bits=4, hadamard=True)(input_ids=windows).logits
+        rotated = ev.streaming_llm_baseline(teacher, 2, 6, MemoryCodes(4, rotate=True))(input_ids=windows).logits
+        rotated_scan = RetentionBaseline(teacher, 2, 6, 0, MemoryCodes(4, rotate=True))(input_ids=windows).logits
     torch.testing.assert_close(rotated_scan, rotated, rtol=1e-4, atol=1e-4)
     assert (rotated - masked).abs().amax() > 1e-5  # masked: the last plain 4-bit codes
     assert 1e-5 < moved[8] < moved[4]
     assert (kept - kept_plain).abs().amax() > 1e-5
-    for make_baseline in (ev.streaming_llm_baseline, lambda *args, bits: RetentionBaseline(*args, 0, bits=bits)):
-        with pytest.raises(ValueError, match="bits must be 8, 4"):
-            make_baseline(teacher, 2, 6, bits=3)
+    for make_baseline in (ev.streaming_llm_baseline, lambda *args: RetentionBaseline(*args[:3], 0, *args[3:])):
+        with pytest.raises(ValueError, match="codes must be a MemoryCodes"):
+            make_baseline(teacher, 2, 6, 4)  # a bit count where the quantizer belongs
 
 
-def _read_key_by_key(module, query, key, value, attention_mask, kv_bits=None, kv_exact=None, **kwargs):
+def _read_key_by_key(module, query, key, value, attention_mask, kv_codes=None, kv_exact=None, **kwargs):
     """Brute-force reference for the coded baseline with exact recent tokens: each query, one at a time, reads key j
     exact when j < sinks or t - j < recent, as codes otherwise; a plain softmax over what it may see."""
     from transformers.models.llama.modeling_llama import repeat_kv
@@ -297,7 +298,7 @@ def _read_key_by_key(module, query, key, value, attention_mask, kv_bits=None, kv
     sinks, recent = kv_exact
     groups = module.num_key_value_groups
     key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-    coded_key, coded_value = (ev.as_codes_give_back(x, kv_bits) for x in (key, value))
+    coded_key, coded_value = (kv_codes.round(x).to(x.dtype) for x in (key, value))
     out = torch.zeros_like(query)
     for t in range(query.shape[-2]):
         j = torch.arange(t + 1)
@@ -319,22 +320,24 @@ def test_coded_baseline_keeps_its_recent_tokens_exact(windows):
     AttentionInterface.register("test_read_key_by_key", _read_key_by_key)
     with torch.no_grad():
         plain = ev.streaming_llm_baseline(teacher, 2, 12)(input_ids=windows).logits
-        coded = ev.streaming_llm_baseline(teacher, 2, 12, bits=4)(input_ids=windows).logits
-        base = ev.streaming_llm_baseline(teacher, 2, 12, bits=4, exact_recent=5)
+        coded = ev.streaming_llm_baseline(teacher, 2, 12, MemoryCodes(4))(input_ids=windows).logits
+        base = ev.streaming_llm_baseline(teacher, 2, 12, MemoryCodes(4), exact_recent=5)
         got = base(input_ids=windows).logits
         with ev.attention_implementation(teacher, "test_read_key_by_key"):
             mask = ev.streaming_llm_mask(windows.shape[1], 2, 12).expand(windows.shape[0], 1, -1, -1)
-            want = teacher(input_ids=windows, attention_mask=mask, kv_bits=4, kv_exact=(2, 5)).logits
+            want = teacher(input_ids=windows, attention_mask=mask, kv_codes=MemoryCodes(4),
+                           kv_exact=(2, 5)).logits
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(ev.streaming_llm_baseline(teacher, 2, 12, bits=4, exact_recent=12)(
+        torch.testing.assert_close(ev.streaming_llm_baseline(teacher, 2, 12, MemoryCodes(4), exact_recent=12)(
             input_ids=windows).logits, plain, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(ev.streaming_llm_baseline(teacher, 2, 12, bits=4, exact_recent=0)(
+        torch.testing.assert_close(ev.streaming_llm_baseline(teacher, 2, 12, MemoryCodes(4), exact_recent=0)(
             input_ids=windows).logits, coded)
     assert (got - plain).abs().amax() > 1e-4 and (got - coded).abs().amax() > 1e-4
     assert teacher.config._attn_implementation == "sdpa"
     per16 = ev.teacher_kv_bytes_per_token(teacher.config, torch.bfloat16)
     assert base.kv_bytes(torch.float4_e2m1fn_x2, torch.bfloat16) == (2 + 4) * per16 + 7 * per16 // 4
-    for bad in (dict(exact_recent=5), dict(bits=4, exact_recent=13), dict(bits=4, exact_recent=-1)):
+    for bad in (dict(exact_recent=5), dict(codes=MemoryCodes(4), exact_recent=13),
+                dict(codes=MemoryCodes(4), exact_recent=-1)):
         with pytest.raises(ValueError, match="exact_recent must be in"):
             ev.streaming_llm_baseline(teacher, 2, 12, **bad)
     student_config = AarenConfig(vocab_size=64, hidden_size=576, intermediate_size=64, num_hidden_layers=30,
@@ -650,7 +653,7 @@ def test_a_coded_memory_adds_baselines_held_in_its_codes(student, teacher, token
     baselines = [m for m in ev._compared_models(coded, teacher, {}, sinks=1, window=None, kv_dtype=torch.float32,
                                                 length=32, contexts=(4096,), quick=True, retention=True,
                                                 say=print) if m[0]["kind"] != "teacher" and m[1] is not coded]
-    assert [b.hadamard for _, b in baselines if getattr(b, "bits", None)] == [hadamard] * 3
+    assert [b.codes for _, b in baselines if getattr(b, "codes", None)] == [MemoryCodes(bits, hadamard)] * 3
     exact = results["equal_memory_coded_exact_recent"]
     assert exact["exact_recent"] == coded.config.window_size and exact["bits"] == bits
     assert exact["window"] - exact["exact_recent"] < eqb["window"] and exact["baseline_kv_bytes"] <= eqb["student_state_bytes"]

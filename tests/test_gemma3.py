@@ -13,6 +13,7 @@ import torch
 
 import aaren_hf  # noqa: F401  (before transformers' model modules; see tests/helpers.py)
 from aaren_hf import AarenConfig, AarenForCausalLM
+from aaren_hf.modeling_aaren import MemoryCodes
 from aaren_hf.conversion.adapters import (
     SUPPORTED_TEACHERS,
     aaren_config_from_teacher,
@@ -418,21 +419,21 @@ def test_a_coded_baseline_of_a_hybrid_teacher_codes_only_its_global_layers(teach
 
     from aaren_hf.conversion import evaluate as ev
 
-    def global_layers_coded(module, query, key, value, attention_mask, kv_bits=None, kv_exact=None, **kwargs):
+    def global_layers_coded(module, query, key, value, attention_mask, kv_codes=None, kv_exact=None, **kwargs):
         if module.layer_idx in GLOBAL:  # the test's own layer list, not the module's flag
-            key, value = ev.as_codes_give_back(key, kv_bits), ev.as_codes_give_back(value, kv_bits)
+            key, value = kv_codes.round(key).to(key.dtype), kv_codes.round(value).to(value.dtype)
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
     AttentionInterface.register("test_global_layers_coded", global_layers_coded)
     ids = ids_of(2, 24)
-    base = ev.streaming_llm_baseline(teacher, 1, 24, bits=4)
+    base = ev.streaming_llm_baseline(teacher, 1, 24, MemoryCodes(4))
     with torch.no_grad():
         got = base(input_ids=ids).logits
         # a custom attention gets no mask made for it: the causal one of each layer type, passed as the baseline does
         causal = {"full_attention": ev.streaming_llm_mask(24, 1, 24).expand(2, 1, -1, -1),
                   "sliding_attention": ev.streaming_llm_mask(24, 0, WINDOW).expand(2, 1, -1, -1)}
         with ev.attention_implementation(teacher, "test_global_layers_coded"):
-            want = teacher(input_ids=ids, attention_mask=causal, kv_bits=4).logits
+            want = teacher(input_ids=ids, attention_mask=causal, kv_codes=MemoryCodes(4)).logits
         plain = teacher(ids).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert (got - plain).abs().max() > 1e-3  # the global layers' codes are there

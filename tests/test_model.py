@@ -244,14 +244,14 @@ def reference_mixer(mixer, config, x, mask):
         q = _rms(q, mixer.q_norm.weight, config.rms_norm_eps, config.rms_norm_unit_offset) if q is not None else None
     if not mixer.aaren_branch and config.sliding_window:  # the teacher's own local attention: window alone
         win = brute_force_window(q, k, v, pos, config.sliding_window, 0, mixer.rope_inv_freq, scale,
-                                 kv_dtype=mixer.kv_cache_dtype, memory_bits=mixer.memory_bits,
+                                 kv_dtype=mixer.kv_cache_dtype, memory_bits=config.memory_bits,
                                  memory_hadamard=config.memory_hadamard)
         return lin(mixer.o_proj, win.reshape(B, T, H * D))
     memory = config.layer_memory_size(mixer.layer_idx)
     if not mixer.aaren_branch:  # a sliding-attention layer: the window branch alone
         win = brute_force_window(q, k, v, pos, config.window_size, config.num_sink_tokens, mixer.rope_inv_freq,
                                  scale, memory, mixer.retention_score(x.float(), None),
-                                 kv_dtype=mixer.kv_cache_dtype, memory_bits=mixer.memory_bits,
+                                 kv_dtype=mixer.kv_cache_dtype, memory_bits=config.memory_bits,
                                  memory_hadamard=config.memory_hadamard)
         return lin(mixer.o_proj, win.reshape(B, T, H * D))
     c = mixer.queries.double()  # [H, J, D]
@@ -279,7 +279,7 @@ def reference_mixer(mixer, config, x, mask):
             s_all = s.float().masked_fill(~mask[:, :, None], 0.0)
             retention = mixer.retention_score(x.float(), s_all)
         win = brute_force_window(q, k, v, pos, config.window_size, config.num_sink_tokens, mixer.rope_inv_freq,
-                                 scale, memory, retention, kv_dtype=mixer.kv_cache_dtype, memory_bits=mixer.memory_bits,
+                                 scale, memory, retention, kv_dtype=mixer.kv_cache_dtype, memory_bits=config.memory_bits,
                                  memory_hadamard=config.memory_hadamard)
         gate_logit = mixer.window_gate.double() if config.window_gate == "head" else lin(mixer.gate_proj, x)
         gate = torch.sigmoid(gate_logit).unsqueeze(-1)
@@ -485,7 +485,7 @@ def test_memory_bits_store_the_memory_as_codes(bits):
     output moves by rounding error only. The codes are the ones the reference rounding gives."""
     from helpers import quantized
 
-    from aaren_hf.modeling_aaren import dequantize_memory, quantize_memory
+    from aaren_hf.modeling_aaren import MemoryCodes
 
     base = dict(window_size=3, num_sink_tokens=1, memory_size=4, num_key_value_heads=2, kv_cache_dtype="bfloat16")
     ids = random_ids(2, 17)
@@ -504,13 +504,13 @@ def test_memory_bits_store_the_memory_as_codes(bits):
         assert layer.memory_k.shape == (2, Hkv, M, D * bits // 8) and layer.memory_v.shape == layer.memory_k.shape
         assert layer.memory_k_scale.shape == (2, Hkv, M, 1) and layer.memory_k_scale.dtype == torch.bfloat16
         for name in ("k", "v"):
-            got = dequantize_memory(getattr(layer, "memory_" + name), getattr(layer, f"memory_{name}_scale"))
+            got = MemoryCodes(bits).decode(getattr(layer, "memory_" + name), getattr(layer, f"memory_{name}_scale"))
             if i == 0:  # same input: the same tokens kept, each its 16-bit original rounded as the reference rounds
                 assert torch.equal(layer.memory_pos, plain_layer.memory_pos)
                 want = quantized(getattr(plain_layer, "memory_" + name).double(), bits)
                 torch.testing.assert_close(got.double(), want, atol=0, rtol=0)
             # codes read back and stored again are the same codes: no drift over prefill chunks
-            again = quantize_memory(got, bits)
+            again = MemoryCodes(bits).encode(got)
             assert torch.equal(again[0], getattr(layer, "memory_" + name))
             assert torch.equal(again[1], getattr(layer, f"memory_{name}_scale"))
     saved = coded.config.num_hidden_layers * 2 * 2 * Hkv * M * (D * 2 - (D * bits // 8 + 2))  # rows, k and v
@@ -519,12 +519,11 @@ def test_memory_bits_store_the_memory_as_codes(bits):
 
 @pytest.mark.parametrize("rotate", [False, True])
 def test_memory_codes_stay_finite_for_zero_and_huge_vectors(rotate):
-    from aaren_hf.modeling_aaren import dequantize_memory, quantize_memory
+    from aaren_hf.modeling_aaren import MemoryCodes
 
     x = torch.stack([torch.zeros(8), torch.full((8,), 3e38), torch.linspace(-1e-30, 1e-30, 8)])
     for bits in (8, 4):
-        codes, scale = quantize_memory(x, bits, rotate)
-        back = dequantize_memory(codes, scale, rotate)
+        back = MemoryCodes(bits, rotate).decode(*MemoryCodes(bits, rotate).encode(x))
         assert torch.isfinite(back).all() and torch.equal(back[0], torch.zeros(8))
         torch.testing.assert_close(back[1], x[1], rtol=0.01, atol=0)
 
@@ -536,24 +535,44 @@ def test_hadamard_codes_are_the_reference_codes_and_read_back_exactly(D):
     channel, as rotary keys have, they lose far less than plain codes, which round the other channels to zero."""
     from helpers import quantized, sylvester
 
-    from aaren_hf.modeling_aaren import dequantize_memory, hadamard, quantize_memory
+    from aaren_hf.modeling_aaren import MemoryCodes, hadamard
 
     gen = torch.Generator().manual_seed(D)
     x = torch.randn(300, D, generator=gen) * torch.randn(300, 1, generator=gen).exp()
     torch.testing.assert_close(hadamard(x).double(), x.double() @ sylvester(D) / D, rtol=1e-6, atol=1e-6)
     x[:, 1] *= 30
     for bits in (8, 4):
-        codes, scale = quantize_memory(x, bits, rotate=True)
-        back = dequantize_memory(codes, scale, rotate=True)
+        rotated = MemoryCodes(bits, rotate=True)
+        codes, scale = rotated.encode(x)
+        back = rotated.decode(codes, scale)
         assert back.dtype == torch.float32
         torch.testing.assert_close(back.double(), quantized(x.double(), bits, hadamard=True), rtol=1e-6, atol=1e-6)
-        again = quantize_memory(back, bits, rotate=True)
+        again = rotated.encode(back)
         assert torch.equal(again[0], codes) and torch.equal(again[1], scale)
         with torch.autocast("cpu", dtype=torch.bfloat16):  # a 16-bit product would round the whole numbers
-            assert torch.equal(dequantize_memory(codes, scale, rotate=True), back)
+            assert torch.equal(rotated.decode(codes, scale), back)
         if D >= 8:  # the more channels share the large one's weight, the more the rotation gains
-            plain = dequantize_memory(*quantize_memory(x, bits))
+            plain = MemoryCodes(bits).decode(*MemoryCodes(bits).encode(x))
             assert (back - x).norm() < (0.5 if D >= 64 else 0.9) * (plain - x).norm()
+
+
+def test_memory_codes_are_the_configs_and_refuse_other_widths(monkeypatch):
+    """One quantizer object per config (what the mixer and the coded baselines share); bad widths are refused; the
+    autocast query also works on torch < 2.4, whose is_autocast_enabled takes no device (a Hub user's torch)."""
+    from aaren_hf import modeling_aaren
+    from aaren_hf.modeling_aaren import MemoryCodes
+
+    config = tiny_config(window_size=4, memory_size=[0, 2], memory_bits=4, memory_hadamard=True)
+    assert MemoryCodes.of(config) == MemoryCodes(4, rotate=True) and str(MemoryCodes.of(config)) == "4-bit Hadamard codes"
+    assert MemoryCodes.of(tiny_config(window_size=4, memory_size=2)) is None
+    layers = AarenForCausalLM(config).model.layers
+    assert [layer.mixer.memory_codes for layer in layers] == [None, MemoryCodes(4, rotate=True)]  # layer 0 keeps none
+    for bad in (dict(bits=3), dict(bits=16), dict(bits=8, rotate="yes")):
+        with pytest.raises(ValueError, match="8 or 4 bits"):
+            MemoryCodes(**bad)
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda: False)  # the old signature: CUDA only
+    monkeypatch.setattr(torch, "is_autocast_cpu_enabled", lambda: True, raising=False)
+    assert modeling_aaren._autocast_on("cpu") and not modeling_aaren._autocast_on("cuda")
 
 
 def test_float16_cache_saturates_instead_of_overflowing():
