@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from aaren_hf.conversion.cli import MEMORY_BITS_FLAGS, layer_or_none, memory_bits_from_flag
+from aaren_hf.conversion.cli import MEMORY_BITS_FLAGS, default_memory_hadamard, layer_or_none, memory_bits_from_flag
 
 
 def _ints(text: str) -> list[int]:
@@ -152,7 +152,7 @@ def main() -> None:
     if args.memory_hadamard is not None:
         override["memory_hadamard"] = args.memory_hadamard == "on"
     elif args.memory_bits is not None:
-        override["memory_hadamard"] = args.memory_bits == "4"
+        override["memory_hadamard"] = default_memory_hadamard(override["memory_bits"])
 
     from transformers import AutoModelForCausalLM
 

@@ -293,8 +293,9 @@ def options_from_args(args, parser):
         eval_windows=args.eval_windows, recall_trials=args.recall_trials, recall_distances=args.recall_distances,
         recall_fraction=args.recall_fraction, long_seq_len=args.long_seq_len,
     )
-    if args.memory_hadamard is None and "memory_hadamard" not in opts.mixer and opts.mixer.get("memory_bits") == 4:
-        opts.mixer = {**opts.mixer, "memory_hadamard": True}
+    if args.memory_hadamard is None and "memory_hadamard" not in opts.mixer:
+        if default_memory_hadamard(opts.mixer.get("memory_bits")):
+            opts.mixer = {**opts.mixer, "memory_hadamard": True}
     opts.resume, opts.overwrite, opts.keep_work = args.resume, args.overwrite, args.keep_work
     opts.eval, opts.eval_quick = not args.no_eval, args.quick_eval
     opts.progress, opts.cpu = not args.no_progress, args.cpu
@@ -317,6 +318,12 @@ MEMORY_BITS_FLAGS = ("8", "4", "16")
 def memory_bits_from_flag(flag: str):
     """AarenConfig.memory_bits for a --memory-bits choice: '16' stores the memory like the window (None)."""
     return None if flag == "16" else int(flag)
+
+
+def default_memory_hadamard(memory_bits) -> bool:
+    """Whether memory codes are rotated when no one said: at 4 bits, where plain codes lose most (docs/aaren_math.md,
+    section 4); not at 8, where the rotation gains nothing measurable and costs decode time."""
+    return memory_bits == 4
 
 
 def validate_options(opts, parser) -> None:
