@@ -380,7 +380,7 @@ class MemoryCodes:
 
     def __post_init__(self):
         if self.bits not in (8, 4) or not isinstance(self.rotate, bool):
-            raise ValueError(f"memory codes have 8 or 4 bits and rotate True or False, got {self}")
+            raise ValueError(f"memory codes have 8 or 4 bits and rotate True or False, got {self!r}")
 
     @classmethod
     def of(cls, config) -> Optional["MemoryCodes"]:
