@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 
 import torch
@@ -24,29 +25,34 @@ import torch
 def codes_table(teacher, windows: torch.Tensor, bits=(8, 4), batch_size: int = 4) -> list[dict]:
     """Rows {"codes", "bits", "hadamard", "ppl", "ratio", "kl"}: the teacher, then its cache in each code form;
     ``kl``: the mean KL divergence of the coded cache's next-token distribution from the teacher's (nats per token),
-    which sees a quantizer's cost where perplexity ratios round to 1.00x."""
+    which sees a quantizer's cost where perplexity ratios round to 1.00x. Perplexity is token-weighted over every
+    window's tokens 1..L-1, as ``aaren_hf.conversion.evaluate.perplexity`` counts it; each model runs once per batch."""
     import torch.nn.functional as F
 
-    from aaren_hf.conversion.evaluate import perplexity, streaming_llm_baseline
+    from aaren_hf.conversion.evaluate import streaming_llm_baseline
     from aaren_hf.modeling_aaren import MemoryCodes
 
     length = windows.shape[1]
     forms = [MemoryCodes(b, rotate) for b in bits for rotate in (False, True)]
     cached = {codes: streaming_llm_baseline(teacher, 0, length, codes) for codes in forms}
     kl = dict.fromkeys(forms, 0.0)
-    for start in range(0, len(windows), batch_size):  # the teacher's distribution once per batch, for every form
+    nll = dict.fromkeys([None, *forms], 0.0)  # summed over the predicted tokens; None: the teacher
+    for start in range(0, len(windows), batch_size):
         batch = windows[start : start + batch_size]
+        targets = batch[:, 1:].unsqueeze(-1)
         with torch.no_grad():
             want = F.log_softmax(teacher(input_ids=batch).logits.float(), -1)
+            nll[None] -= want[:, :-1].gather(-1, targets).double().sum().item()
             for form, model in cached.items():
                 got = F.log_softmax(model(input_ids=batch).logits.float(), -1)
                 kl[form] += (want.exp() * (want - got)).sum().item() / (windows.shape[0] * length)
-    base = perplexity(teacher, windows, batch_size=batch_size)["ppl"]
-    rows = [{"codes": "none (the teacher)", "bits": None, "hadamard": False, "ppl": base, "ratio": 1.0, "kl": 0.0}]
-    for codes, model in cached.items():
-        ppl = perplexity(model, windows, batch_size=batch_size)["ppl"]
-        rows.append({"codes": f"{codes.bits}-bit{', Hadamard-rotated' if codes.rotate else ''}", "bits": codes.bits,
-                     "hadamard": codes.rotate, "ppl": ppl, "ratio": ppl / base, "kl": kl[codes]})
+                nll[form] -= got[:, :-1].gather(-1, targets).double().sum().item()
+    ppl = {form: math.exp(total / (windows.shape[0] * (length - 1))) for form, total in nll.items()}
+    rows = [{"codes": "none (the teacher)", "bits": None, "hadamard": False, "ppl": ppl[None], "ratio": 1.0,
+             "kl": 0.0}]
+    for codes in forms:
+        rows.append({"codes": str(codes), "bits": codes.bits, "hadamard": codes.rotate, "ppl": ppl[codes],
+                     "ratio": ppl[codes] / ppl[None], "kl": kl[codes]})
     return rows
 
 
