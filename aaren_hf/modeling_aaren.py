@@ -409,18 +409,24 @@ class MemoryCodes:
         half = x.shape[-1] // 2
         return codes[..., :half] | (codes[..., half:] << 4), scale
 
-    def decode(self, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    def decode(self, codes: torch.Tensor, scale: torch.Tensor, rotated: bool = False) -> torch.Tensor:
         """Float32 values of :meth:`encode`'s codes (exact: a code has at most 8 significant bits, the scale 8).
         Rotated codes are turned back by the +-1 matrix: a product of whole numbers below 2^13, exact in float32
-        (TF32 too: its inputs here have at most 7 bits) whatever the order of the sums. Under autocast a float32
-        product would come back in 16 bits, so there it runs in float64, the one dtype autocast leaves alone
-        (decoding a step in float64 costs a third more time on a CPU)."""
+        (TF32 too: its inputs here have at most 7 bits) whatever the order of the sums. ``rotated``: leave them as :func:`hadamard`
+        of the vectors, for a reader that turns its other inputs instead (turning back costs D products per entry)."""
         if codes.dtype == torch.uint8:  # 4 bits, two to a byte
             codes = torch.cat([codes & 15, codes >> 4], -1).float() - 8
-        if self.rotate:
-            wide = torch.float64 if _autocast_on(codes.device.type) else torch.float32
-            codes = (codes.to(wide) @ hadamard_signs(codes.shape[-1], codes.device, wide)).float()
+        if self.rotate and not rotated:
+            codes = self.turn(codes)
         return codes.float() * scale.float()
+
+    @staticmethod
+    def turn(x: torch.Tensor) -> torch.Tensor:
+        """x [..., D] times the +-1 Sylvester-Hadamard matrix S, in float32 (S S = D I, and hadamard(x) = x S / D).
+        Under autocast a float32 product would come back in 16 bits, so there it runs in float64, the one dtype
+        autocast leaves alone (decoding a step in float64 costs a third more time on a CPU)."""
+        wide = torch.float64 if _autocast_on(x.device.type) else torch.float32
+        return (x.to(wide) @ hadamard_signs(x.shape[-1], x.device, wide)).float()
 
     def round(self, x: torch.Tensor) -> torch.Tensor:
         """x as the memory stores it gives it back, in float32. Gradients pass straight through to x, as they do
@@ -822,23 +828,32 @@ class AarenMixer(nn.Module):
             seen_sink_pos = sink_pos.masked_fill(sink_pos > p.unsqueeze(1) - W, -1)  # still inside the window
         # Visible: every key with a position >= 0 (-1: padding, an empty slot). Every memory entry is among the M
         # best of the tokens that have left the window, as the query needs.
-        keys = [win_k.transpose(1, 2).float(), sink_k.transpose(1, 2).float()]
-        values = [win_v.transpose(1, 2), sink_v.transpose(1, 2)]
-        key_pos = torch.cat([win_pos, seen_sink_pos], 1).unsqueeze(1).expand(B, Hkv, W + S)
+        turned_sink_k = sink_k.transpose(1, 2).float()
         if S > 0:
             # a sink is seen from min(p, S + W - 1): <R(that) q, k> = <R(p) q, R(p - that) k>, so one query serves
             # every key once the sink keys are turned on by p - min(p, S + W - 1)
-            keys[1] = rotate_by(keys[1], *sink_angles)
+            turned_sink_k = rotate_by(turned_sink_k, *sink_angles)
+        keys = torch.cat([win_k.transpose(1, 2).float(), turned_sink_k], 2)  # [B, Hkv, W + S, D]
+        values = torch.cat([win_v, sink_v], 1).transpose(1, 2).float()
+        query = qk[:, 0, :H].float().view(B, Hkv, H // Hkv, D)  # each kv head's G query heads as G query rows
+        key_pos = torch.cat([win_pos, seen_sink_pos], 1).unsqueeze(1).expand(B, Hkv, W + S)
+        # With rotated codes the step attends in their basis: the memory holds hadamard(x) = x S / D, S S = D I, so
+        # <q S, k S / D> = <q, k> and a weighted sum of the rotated values turns back as one vector. That turns the
+        # W + S window and sink entries instead of the 2 M memory ones.
+        turned = M > 0 and self.memory_codes is not None and self.memory_codes.rotate
+        if turned:
+            turn = self.memory_codes.turn
+            keys, values, query = turn(keys) / D, turn(values) / D, turn(query)
         if M > 0:
-            memory_k, memory_v = self.memory_entries(state)
-            keys.append(memory_k.float())
-            values.append(memory_v)
+            memory_k, memory_v = self.memory_entries(state, rotated=turned)
+            keys = torch.cat([keys, memory_k.float()], 2)
+            values = torch.cat([values, memory_v.float()], 2)
             key_pos = torch.cat([key_pos, state.memory_pos], 2)
-        keys = torch.cat(keys, 2)  # [B, Hkv, W + S + M, D]
-        # each kv head's G query heads as G query rows: [B, Hkv, G, D] against [B, Hkv, keys, D]
-        out = F.scaled_dot_product_attention(qk[:, 0, :H].float().view(B, Hkv, H // Hkv, D), keys,
-                                             torch.cat(values, 2).float(), attn_mask=(key_pos >= 0).unsqueeze(2),
-                                             scale=self.scale).view(B, 1, H, D)
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=(key_pos >= 0).unsqueeze(2),
+                                             scale=self.scale)
+        if turned:
+            out = turn(out)
+        out = out.view(B, 1, H, D)
         if lowest < 0:  # a padding token sees nothing
             out = out.masked_fill((p < 0).view(B, 1, 1, 1), 0.0)
 
@@ -949,12 +964,13 @@ class AarenMixer(nn.Module):
         codes, scale = self.memory_codes.encode(torch.stack([k.detach(), v.detach()]))  # one pass: decoding
         return {"k": codes[0], "v": codes[1], "k_scale": scale[0], "v_scale": scale[1]}
 
-    def memory_entries(self, state):
-        """The memory's keys and values as a query reads them (float32 with memory_bits, else as stored)."""
+    def memory_entries(self, state, rotated: bool = False):
+        """The memory's keys and values as a query reads them (float32 with memory_bits, else as stored);
+        ``rotated``: as :meth:`MemoryCodes.decode` leaves them with ``rotated``."""
         if self.memory_codes is None:
             return state.memory_k, state.memory_v
-        return (self.memory_codes.decode(state.memory_k, state.memory_k_scale),
-                self.memory_codes.decode(state.memory_v, state.memory_v_scale))
+        return (self.memory_codes.decode(state.memory_k, state.memory_k_scale, rotated),
+                self.memory_codes.decode(state.memory_v, state.memory_v_scale, rotated))
 
     @staticmethod
     def fill_memory(state, candidates, idx):
