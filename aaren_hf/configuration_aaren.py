@@ -311,7 +311,7 @@ class AarenConfig(PreTrainedConfig):
                                  "memory_hadamard=False")
             if self.head_dim & (self.head_dim - 1):
                 raise ValueError(f"memory_hadamard needs a head_dim that is a power of 2, got {self.head_dim}: set "
-                                 "memory_hadamard=False")
+                                 "memory_hadamard=False (aaren-convert: --memory-hadamard off, or --memory-bits 8)")
         shared = self.memory_shared_layer
         if shared is not None:
             ok = isinstance(shared, int) and not isinstance(shared, bool) and 0 <= shared < self.num_hidden_layers - 1

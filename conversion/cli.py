@@ -148,7 +148,7 @@ def convert_parser() -> argparse.ArgumentParser:
                         "the tokens per byte at head_dim 64); '16': as the window stores them")
     g.add_argument("--memory-hadamard", choices=("on", "off"),
                    help="code the memory's keys/values after an exact Hadamard rotation, so that a few large key "
-                        "channels do not round the others to zero. Default: on with 4-bit codes (the packaged "
+                        "channels do not round the others to zero. Default: the recipe's (the packaged teacher's: on); with --memory-bits, on with 4-bit codes (the packaged "
                         "teacher's cache in 4-bit codes: 1.37x its perplexity without, 1.06x with), off otherwise "
                         "(at 8 bits it measured no difference and only costs decoding time)")
     g.add_argument("--convert-layers", metavar="LAYERS",
@@ -293,9 +293,8 @@ def options_from_args(args, parser):
         eval_windows=args.eval_windows, recall_trials=args.recall_trials, recall_distances=args.recall_distances,
         recall_fraction=args.recall_fraction, long_seq_len=args.long_seq_len,
     )
-    if args.memory_hadamard is None and "memory_hadamard" not in opts.mixer:
-        if default_memory_hadamard(opts.mixer.get("memory_bits")):
-            opts.mixer = {**opts.mixer, "memory_hadamard": True}
+    if args.memory_hadamard is None and args.memory_bits is not None:  # the recipe's rotation was for its own bits
+        opts.mixer = {**opts.mixer, "memory_hadamard": default_memory_hadamard(opts.mixer["memory_bits"])}
     opts.resume, opts.overwrite, opts.keep_work = args.resume, args.overwrite, args.keep_work
     opts.eval, opts.eval_quick = not args.no_eval, args.quick_eval
     opts.progress, opts.cpu = not args.no_progress, args.cpu

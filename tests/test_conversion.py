@@ -497,19 +497,21 @@ def test_cli_kv_cache_dtype():
 
 
 def test_cli_memory_bits():
-    """The recipe keeps the memory as 8-bit codes; --memory-bits 4 packs them, 16 stores them like the window; a
+    """The recipe keeps the memory as 4-bit codes; --memory-bits 8 widens them, 16 stores them like the window; a
     model without a memory ignores the setting."""
     from aaren_hf.conversion.cli import convert_parser, options_from_args
 
     parser = convert_parser()
-    for flag, want in ((None, 8), ("4", 4), ("16", None)):
+    for flag, want in ((None, 4), ("8", 8), ("16", None)):
         argv = ["--recipe", "smollm2-135m"] + (["--memory-bits", flag] if flag else [])
         assert options_from_args(parser.parse_args(argv), parser).mixer["memory_bits"] == want
     with pytest.raises(SystemExit):
         parser.parse_args(["--recipe", "smollm2-135m", "--memory-bits", "2"])
-    # Hadamard-rotated codes: on by default with 4-bit codes, where they pay; off at 8 unless asked; refused without
-    for extra, want in (([], None), (["--memory-bits", "4"], True), (["--memory-bits", "4", "--memory-hadamard", "off"],
-                        False), (["--memory-hadamard", "on"], True)):
+    # Hadamard-rotated codes: the recipe's with its 4-bit codes, where they pay; other bits bring their own default
+    # (off at 8 unless asked); refused without codes
+    for extra, want in (([], True), (["--memory-bits", "8"], False), (["--memory-bits", "8", "--memory-hadamard", "on"],
+                        True), (["--memory-bits", "4", "--memory-hadamard", "off"], False),
+                        (["--memory-hadamard", "off"], False), (["--memory-bits", "16"], False)):
         mixer = options_from_args(parser.parse_args(["--recipe", "smollm2-135m", *extra]), parser).mixer
         assert mixer.get("memory_hadamard") == want, extra
     with pytest.raises(SystemExit):
