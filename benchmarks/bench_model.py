@@ -106,6 +106,9 @@ def build_parser():
     p.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
     p.add_argument("--real", action="store_true", help="load the packaged SmolLM2-135M-Instruct teacher and convert "
                    "it (weights only change values, not speed)")
+    p.add_argument("--student", metavar="DIR", default=None, help="time this converted model folder as 'aaren' "
+                   "against the teacher its conversion.json names (trained retention scores decide how often a "
+                   "token enters the memory, which random or freshly converted weights do not)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="default: bfloat16 on CUDA, float32 on CPU")
@@ -141,6 +144,13 @@ def parse_args(argv=None):
     args.models = [m for m in MODELS if m in models or m == "teacher"]
     if len(args.models) < 2:
         raise SystemExit("--models: name at least one Aaren model (aaren, aaren_nowin) to compare with the teacher")
+    if args.student is not None:
+        if not (Path(args.student) / "config.json").is_file():
+            raise SystemExit(f"--student {args.student!r} is not a model folder (no config.json): give a folder "
+                             "written by aaren-convert")
+        if args.real or args.models != ["teacher", "aaren"]:
+            raise SystemExit("--student times that folder against its own teacher: leave out --real and give no "
+                             "--models other than aaren")
     skip = ("", "none", "0")
     args.train = [] if args.train.strip().lower() in skip else _shapes(args.train)
     args.prompts = [] if args.prompts.strip().lower() in skip else _int_list(args.prompts)
@@ -171,6 +181,15 @@ def build_models(args):
     from aaren_hf.conversion.convert import build_student
 
     torch.manual_seed(args.seed)
+    if args.student is not None:
+        from aaren_hf.conversion.cli import teacher_of
+
+        teacher = AutoModelForCausalLM.from_pretrained(teacher_of(args.student), dtype=torch.float32,
+                                                       attn_implementation="sdpa")
+        student = AutoModelForCausalLM.from_pretrained(args.student, dtype=torch.float32)
+        args.vocab = teacher.config.vocab_size
+        dtype = getattr(torch, args.dtype)
+        return {k: m.to(device=args.device, dtype=dtype).eval() for k, m in (("teacher", teacher), ("aaren", student))}
     if args.real:
         from aaren_hf.conversion.assets import packaged_teacher_path
 
@@ -568,7 +587,8 @@ def machine_info(args):
 def print_report(report, args):
     m = report["machine"]
     where = m.get("gpu") or f"{m['cpu']}, {m['usable_cores']} usable cores, {m['torch_threads']} torch thread(s)"
-    print(f"## bench_model: teacher vs Aaren ({args.shape}{', real weights' if args.real else ', random weights'}, "
+    weights = "real weights" if args.real else "random weights"
+    print(f"## bench_model: teacher vs Aaren ({args.student or f'{args.shape}, {weights}'}, "
           f"{args.device}, {args.dtype})")
     print()
     print(f"command: `python benchmarks/bench_model.py {' '.join(report['argv'])}`".rstrip())

@@ -379,6 +379,36 @@ def test_cli_eval_subcommand(tiny, tmp_path, capsys):
     assert code == 2 and "not a model folder" in err
 
 
+def test_bench_model_times_a_converted_folder_against_its_own_teacher(tiny, tmp_path, capsys):
+    """benchmarks/bench_model.py --student DIR: the folder's trained weights against the teacher its conversion.json
+    names (the same one `aaren-convert eval` finds); refused with --real or a folder that is not a model."""
+    from transformers import AutoModelForCausalLM
+
+    from aaren_hf.conversion.cli import teacher_of
+    from aaren_hf.conversion.convert import ConversionError, convert
+    from test_bench_model import load_bench
+
+    teacher, data = tiny
+    out = tmp_path / "student"
+    convert(tiny_options(teacher, data, out, stage1={"steps": 1}, stage2={"steps": 1}))
+    assert teacher_of(out) == str(Path(teacher).resolve())
+    with pytest.raises(ConversionError, match="no conversion.json"):
+        teacher_of(tmp_path)
+    bench = load_bench()
+    bench.main(["--student", str(out), "--device", "cpu", "--train", "none", "--prompts", "24", "--generate", "1x24",
+                "--steps", "2", "--repeats", "1", "--json", str(tmp_path / "bench.json")])
+    assert str(out) in capsys.readouterr().out
+    report = json.loads((tmp_path / "bench.json").read_text())
+    student = AutoModelForCausalLM.from_pretrained(out)
+    assert report["models"]["aaren"]["params"] == sum(p.numel() for p in student.parameters())
+    assert report["models"]["teacher"]["params"] == sum(
+        p.numel() for p in AutoModelForCausalLM.from_pretrained(teacher).parameters())
+    assert [r["work"] for r in report["rows"]] == ["prefill", "generate"]
+    for argv in (["--student", str(out), "--real"], ["--student", str(tmp_path / "missing")]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(argv + ["--device", "cpu"])
+
+
 def test_cli_eval_reads_only_documents_the_conversion_held_out(tiny, tmp_path, capsys):
     """On the conversion's own data a longer --seq-len gets fewer windows from the same held-out documents (never
     more documents); other data is cut by --heldout-windows alone; a partly trained-on mix or another seed is
