@@ -412,8 +412,9 @@ class MemoryCodes:
     def decode(self, codes: torch.Tensor, scale: torch.Tensor, rotated: bool = False) -> torch.Tensor:
         """Float32 values of :meth:`encode`'s codes (exact: a code has at most 8 significant bits, the scale 8).
         Rotated codes are turned back by the +-1 matrix: a product of whole numbers below 2^13, exact in float32
-        (TF32 too: its inputs here have at most 7 bits) whatever the order of the sums. ``rotated``: leave them as :func:`hadamard`
-        of the vectors, for a reader that turns its other inputs instead (turning back costs D products per entry)."""
+        (TF32 too: its inputs here have at most 7 bits) whatever the order of the sums. ``rotated``: leave them as
+        :func:`hadamard` of the vectors, for a reader that turns its other inputs instead (turning back costs D
+        products per entry)."""
         if codes.dtype == torch.uint8:  # 4 bits, two to a byte
             codes = torch.cat([codes & 15, codes >> 4], -1).float() - 8
         if self.rotate and not rotated:

@@ -175,7 +175,8 @@ def mixer_options(kind, shape):
 
 
 def build_models(args):
-    """{name: model} on the device, in eval mode and the benchmark dtype; students converted from the teacher."""
+    """{name: model} on the device, in eval mode and the benchmark dtype; students converted from the teacher, or
+    the --student folder and its own teacher."""
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     from aaren_hf.conversion.convert import build_student
@@ -186,21 +187,19 @@ def build_models(args):
 
         teacher = AutoModelForCausalLM.from_pretrained(teacher_of(args.student), dtype=torch.float32,
                                                        attn_implementation="sdpa")
-        student = AutoModelForCausalLM.from_pretrained(args.student, dtype=torch.float32)
-        args.vocab = teacher.config.vocab_size
-        dtype = getattr(torch, args.dtype)
-        return {k: m.to(device=args.device, dtype=dtype).eval() for k, m in (("teacher", teacher), ("aaren", student))}
-    if args.real:
-        from aaren_hf.conversion.assets import packaged_teacher_path
-
-        teacher = AutoModelForCausalLM.from_pretrained(packaged_teacher_path(), dtype=torch.float32,
-                                                       attn_implementation="sdpa")
+        models = {"teacher": teacher, "aaren": AutoModelForCausalLM.from_pretrained(args.student, dtype=torch.float32)}
     else:
-        teacher = LlamaForCausalLM(LlamaConfig(**SHAPES[args.shape], max_position_embeddings=1 << 20,
-                                               attn_implementation="sdpa"))
-    models = {"teacher": teacher}
-    for kind in args.models[1:]:
-        models[kind] = build_student(teacher, mixer_options(kind, "smollm2-135m" if args.real else args.shape))
+        if args.real:
+            from aaren_hf.conversion.assets import packaged_teacher_path
+
+            teacher = AutoModelForCausalLM.from_pretrained(packaged_teacher_path(), dtype=torch.float32,
+                                                           attn_implementation="sdpa")
+        else:
+            teacher = LlamaForCausalLM(LlamaConfig(**SHAPES[args.shape], max_position_embeddings=1 << 20,
+                                                   attn_implementation="sdpa"))
+        models = {"teacher": teacher}
+        for kind in args.models[1:]:
+            models[kind] = build_student(teacher, mixer_options(kind, "smollm2-135m" if args.real else args.shape))
     dtype = getattr(torch, args.dtype)
     args.vocab = teacher.config.vocab_size
     return {k: m.to(device=args.device, dtype=dtype).eval() for k, m in models.items()}

@@ -148,9 +148,10 @@ def convert_parser() -> argparse.ArgumentParser:
                         "the tokens per byte at head_dim 64); '16': as the window stores them")
     g.add_argument("--memory-hadamard", choices=("on", "off"),
                    help="code the memory's keys/values after an exact Hadamard rotation, so that a few large key "
-                        "channels do not round the others to zero. Default: the recipe's (the packaged teacher's: on); with --memory-bits, on with 4-bit codes (the packaged "
-                        "teacher's cache in 4-bit codes: 1.37x its perplexity without, 1.06x with), off otherwise "
-                        "(at 8 bits it measured no difference and only costs decoding time)")
+                        "channels do not round the others to zero. Default: the recipe's (the packaged teacher's: "
+                        "on); with --memory-bits, on with 4-bit codes (the packaged teacher's cache in 4-bit codes: "
+                        "1.37x its perplexity without, 1.06x with), off otherwise (at 8 bits it measured no "
+                        "difference and only costs decoding time)")
     g.add_argument("--convert-layers", metavar="LAYERS",
                    help="which layers become Aaren layers: 'all', 'none', 'global' (the teacher's full-attention "
                         "layers), or indices like '0,5,11'. Default: 'global' for teachers with local sliding-window "
