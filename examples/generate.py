@@ -157,8 +157,11 @@ def run(args, threads):
           f"({produced / max(elapsed, 1e-9):.1f} tokens/s)")
     if state is not None:
         positions = cache.get_seq_length()
+        window = max(getattr(model.config, "window_size", 0) or 0, getattr(model.config, "sliding_window", 0) or 0)
+        bound = ("fixed size, does not grow with the context" if positions >= window else
+                 f"grows until the {window}-token window has filled, then stays fixed whatever the context")
         print(f"state bytes: {state} ({state / max(len(prompts), 1) / 1024:.1f} KiB per sequence after {positions} "
-              f"positions; fixed size, does not grow with the context)")
+              f"positions; {bound})")
     return out
 
 
