@@ -9,8 +9,9 @@ The mixer defaults (4 query slots, learned decay, a gated 64-token softmax windo
 exact memory per KV head, window keys/values stored in bfloat16 and the memory's as 4-bit codes of their Hadamard
 rotation) rest on the SmolLM2-135M ablation in docs/conversion.md: the sink and the window carry the quality, the
 W=64 rows are within noise of one another, and this one is the row measured end to end; at the same bytes, 448 tokens
-in rotated 4-bit codes beat 256 in 8-bit ones at 2,048 tokens (1.14x against 1.20x the teacher's perplexity). SmolLM2-135M also shares layer 6's retention
-score with the later layers (what moved passkey recall; docs/conversion.md). Only the SmolLM2-135M budget
+in rotated 4-bit codes beat 256 in 8-bit ones at 2,048 tokens (1.14x against 1.20x the teacher's perplexity).
+SmolLM2-135M also shares layer 6's retention score with the later layers (what moved passkey recall;
+docs/conversion.md). Only the SmolLM2-135M budget
 was measured; the other budgets are starting points sized for each teacher, not tuned values.
 """
 
