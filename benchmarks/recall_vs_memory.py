@@ -37,7 +37,8 @@ from pathlib import Path
 
 import torch
 
-from aaren_hf.conversion.cli import MEMORY_BITS_FLAGS, default_memory_hadamard, layer_or_none, memory_bits_from_flag
+from aaren_hf.conversion.cli import MEMORY_BITS_FLAGS, layer_or_none, memory_bits_from_flag
+from aaren_hf.conversion.recipes import default_memory_hadamard
 
 
 def _ints(text: str) -> list[int]:

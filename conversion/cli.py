@@ -256,9 +256,9 @@ def options_from_args(args, parser):
         parser.error("give --recipe NAME (see `aaren-convert recipes`) or --teacher NAME_OR_PATH")
     if args.resume and args.overwrite:
         parser.error("--resume continues an interrupted run and --overwrite discards it: give one of them")
-    if args.recipe is not None:
-        from .recipes import RECIPES
+    from .recipes import RECIPES, default_memory_hadamard
 
+    if args.recipe is not None:
         if args.recipe not in RECIPES:
             parser.error(f"unknown recipe {args.recipe!r}; available: {', '.join(RECIPES)} "
                          "(`aaren-convert recipes` describes them)")
@@ -318,12 +318,6 @@ MEMORY_BITS_FLAGS = ("8", "4", "16")
 def memory_bits_from_flag(flag: str):
     """AarenConfig.memory_bits for a --memory-bits choice: '16' stores the memory like the window (None)."""
     return None if flag == "16" else int(flag)
-
-
-def default_memory_hadamard(memory_bits) -> bool:
-    """Whether memory codes are rotated when no one said: at 4 bits, where plain codes lose most (docs/aaren_math.md,
-    section 4); not at 8, where the rotation gains nothing measurable and costs decode time."""
-    return memory_bits == 4
 
 
 def validate_options(opts, parser) -> None:

@@ -24,7 +24,15 @@ from pathlib import Path
 
 from .data import _hub_reachable
 
-__all__ = ["Budget", "DEFAULT_MIXER", "GEMMA3_MIXER", "RECIPES", "Recipe", "get_recipe", "list_recipes"]
+__all__ = ["Budget", "DEFAULT_MIXER", "GEMMA3_MIXER", "RECIPES", "Recipe", "default_memory_hadamard", "get_recipe",
+           "list_recipes"]
+
+
+def default_memory_hadamard(memory_bits) -> bool:
+    """Whether memory codes are rotated when no one said: at 4 bits, where plain codes lose most (docs/aaren_math.md,
+    section 4); not at 8, where the rotation gains nothing measurable and costs decode time."""
+    return memory_bits == 4
+
 
 DEFAULT_MIXER = {
     "num_query_slots": 4,
@@ -36,8 +44,8 @@ DEFAULT_MIXER = {
     "memory_rule": "learned",
     "kv_cache_dtype": "bfloat16",
     "memory_bits": 4,
-    "memory_hadamard": True,
 }
+DEFAULT_MIXER["memory_hadamard"] = default_memory_hadamard(DEFAULT_MIXER["memory_bits"])
 # Gemma-3's measured recipe: its 15 local layers keep the teacher's own window, bit for bit, so keys/values stay in the
 # model's dtype there; the memory as it was measured.
 GEMMA3_MIXER = dict(DEFAULT_MIXER, memory_size=32, kv_cache_dtype=None, memory_bits=None, memory_hadamard=False)
