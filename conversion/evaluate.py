@@ -312,6 +312,12 @@ def streaming_llm_mask(length: int, sinks: int, window: int, dtype=torch.float32
     return mask.view(1, 1, length, length)
 
 
+def check_codes(codes) -> None:
+    """The ``codes`` argument of a baseline held in the student's memory codes: a MemoryCodes, or None."""
+    if codes is not None and not isinstance(codes, MemoryCodes):
+        raise ValueError(f"codes must be a MemoryCodes (e.g. MemoryCodes(4, rotate=True)) or None, got {codes!r}")
+
+
 class StreamingLLMBaseline(nn.Module):
     """The teacher, untrained, seeing only the first ``sinks`` tokens and the last ``window`` tokens.
 
@@ -357,8 +363,7 @@ class StreamingLLMBaseline(nn.Module):
                 "not take. Load the teacher with attn_implementation='sdpa' (or 'eager'), or call "
                 "teacher.set_attn_implementation('sdpa')."
             )
-        if codes is not None and not isinstance(codes, MemoryCodes):
-            raise ValueError(f"codes must be a MemoryCodes (e.g. MemoryCodes(4, rotate=True)) or None, got {codes!r}")
+        check_codes(codes)
         if (exact_recent and not codes) or not 0 <= exact_recent <= window:
             raise ValueError(f"exact_recent must be in [0, window={window}] and needs codes (the rest held in them), "
                              f"got exact_recent={exact_recent!r}, codes={codes!r}")

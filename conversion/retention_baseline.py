@@ -46,6 +46,8 @@ from torch import nn
 
 from aaren_hf.modeling_aaren import MemoryCodes
 
+from .evaluate import check_codes
+
 __all__ = ["ATTENTION_NAME", "RetentionBaseline", "TOVAState", "equal_memory_retention", "retention_baseline"]
 
 ATTENTION_NAME = "aaren_tova"
@@ -165,8 +167,7 @@ class RetentionBaseline(nn.Module):
         if sinks < 0 or window < 1 or memory < 0:
             raise ValueError(f"need sinks >= 0, window >= 1 and memory >= 0, got sinks={sinks}, window={window}, "
                              f"memory={memory}")
-        if codes is not None and not isinstance(codes, MemoryCodes):
-            raise ValueError(f"codes must be a MemoryCodes (e.g. MemoryCodes(4, rotate=True)) or None, got {codes!r}")
+        check_codes(codes)
         self.teacher = teacher
         self.sinks, self.window, self.memory = int(sinks), int(window), int(memory)
         self.codes = codes
