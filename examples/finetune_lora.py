@@ -26,8 +26,12 @@ import argparse
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from generate import cpu_threads  # noqa: E402  (one rule for --threads in the examples)
 
 DEFAULT_MODEL = "outputs/SmolLM2-135M-Instruct-aaren"
 HOLDOUT_EVERY = 10
@@ -298,7 +302,11 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    with cpu_threads(args.threads or 0):  # 0: torch's own count; restored after (main also runs inside the tests)
+        return finetune(args)
 
+
+def finetune(args):
     import torch
     from accelerate import PartialState
     from peft import AutoPeftModelForCausalLM, LoraConfig, get_peft_model
@@ -306,8 +314,6 @@ def main(argv=None):
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    if args.threads:
-        torch.set_num_threads(args.threads)
     model_path = args.model
     if os.path.isdir(model_path):
         model_path = os.path.abspath(model_path)  # the adapter config records it: reloadable from any folder
@@ -433,7 +439,7 @@ def main(argv=None):
     base_flag = "" if args.base_model_id else " --base-model OWNER/NAME-OF-THE-CONVERTED-MODEL"
     log(f"merged model: {merged_dir} (upload with: python examples/push_to_hub.py {merged_dir}{base_flag} --dry-run)")
     return {"ppl_before": ppl_before, "ppl_after": ppl_after, "merge_diff": diff, "adapter_dir": str(adapter_dir),
-            "merged_dir": str(merged_dir), "targets": targets}
+            "merged_dir": str(merged_dir), "targets": targets, "threads": torch.get_num_threads()}
 
 
 if __name__ == "__main__":
