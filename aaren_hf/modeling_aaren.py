@@ -28,10 +28,13 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from .aaren_scan import aaren_step, chunk_aaren_mixed, chunk_aaren_torch, empty_state, recurrent_aaren_torch
 from .configuration_aaren import AarenConfig
 
-try:  # Triton kernels on CUDA, when this package is installed; the PyTorch ops above serve everywhere else.
+try:  # Triton kernels on CUDA and the C decode step on CPUs, when this package is installed; the PyTorch code in
+    # this file serves everywhere else (a checkpoint's own copy of it: nothing else to install)
     from aaren_hf.kernels import chunk_aaren, fused_recurrent_aaren
+    from aaren_hf.kernels.window import window_step_cpu
 except ImportError:
     chunk_aaren, fused_recurrent_aaren = chunk_aaren_torch, recurrent_aaren_torch
+    window_step_cpu = None
 
 
 # Prompts longer than this go through the model in pieces of this many tokens when a cache is kept (prefill).
@@ -814,6 +817,12 @@ class AarenMixer(nn.Module):
         lowest = int(p.min())
         early = S > 0 and lowest < S + W - 1
         (cos, sin), sink_angles = self.step_angles(pos, shared)
+        if not early and lowest >= 0 and window_step_cpu is not None:
+            codes = self.memory_codes
+            out = window_step_cpu(q, k, v, pos, (cos, sin), sink_angles, state, retention, sinks=S, memory_size=M,
+                                  bits=codes and codes.bits, rotate=bool(codes and codes.rotate), scale=self.scale)
+            if out is not None:  # the same state and output in one call (CPU, float32)
+                return out.to(q.dtype)
         qk = rotate_by(torch.cat([q, k], 2), cos, sin)  # q and k at the token's position
         k = to_cache(qk[:, :, H:], self.kv_cache_dtype).to(stored)
         v = to_cache(v, self.kv_cache_dtype).to(stored)

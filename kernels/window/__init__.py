@@ -1,0 +1,164 @@
+"""The window branch's one-token decode step on a CPU as one C call (``step.c``), for ``AarenMixer.window_step``.
+
+The reference is ``AarenMixer.window_step`` in ``aaren_hf/modeling_aaren.py`` (plain PyTorch, what a checkpoint's
+own copy of the code runs): this kernel leaves the same state bit for bit and the same output to float rounding
+(tests/test_window_kernel.py). On a CPU that step is about 150 small operators per layer, most of a decode step's
+time; here it is one call.
+
+``step.c`` is compiled on first use with the machine's C compiler (``$CC``, else ``cc``) into
+``$AAREN_HF_CACHE/kernels`` (default ``~/.cache/aaren_hf/kernels``), keyed by the source, the flags and the CPU, and
+loaded with ctypes: no build step at install, no Python headers. Without a compiler, or with
+``AAREN_BACKEND=torch`` (or ``naive``), ``window_step_cpu`` returns None and the mixer runs the reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+__all__ = ["window_step_cpu", "library"]
+
+SOURCE = Path(__file__).with_name("step.c")
+# -ffp-contract=off: no fused multiply-adds, so rotary, codes and scales round as PyTorch's separate ops do
+FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"]
+NATIVE = ["-march=native"]
+MAX_HEAD_DIM, MAX_GROUP = 256, 16  # step.c's MAX_D and MAX_G
+
+_library = None
+_tried = False
+
+
+def _cpu_key() -> str:
+    """What -march=native depends on: the CPU's flags (Linux), else the machine name."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.machine() + platform.processor()
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("AAREN_HF_CACHE")
+    return (Path(root).expanduser() if root else Path.home() / ".cache" / "aaren_hf") / "kernels"
+
+
+def _compile(cc: str, flags: list, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        subprocess.run([cc, *flags, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, timeout=120)
+        os.replace(tmp, target)  # atomic: another process never loads half a file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def library():
+    """The compiled step (ctypes), built on first use; None when disabled or when no compiler can build it."""
+    global _library, _tried
+    if os.environ.get("AAREN_BACKEND", "").strip().lower() in ("torch", "naive"):
+        return None
+    if _tried:
+        return _library
+    _tried = True
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        warnings.warn("aaren_hf: no C compiler (set CC, or install gcc): decoding on the CPU runs the PyTorch window "
+                      "step, about twice slower", stacklevel=2)
+        return None
+    errors = []
+    for flags in (FLAGS + NATIVE, FLAGS):
+        key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *flags]).encode() + _cpu_key().encode())
+        target = _cache_dir() / f"window_step-{key.hexdigest()[:16]}.so"
+        try:
+            if not target.exists():
+                _compile(cc, flags, target)
+            lib = ctypes.CDLL(str(target))
+        except (OSError, subprocess.SubprocessError) as error:
+            stderr = getattr(error, "stderr", b"") or b""
+            errors.append(f"{' '.join(flags)}: {error} {stderr.decode(errors='replace')[-500:]}")
+            continue
+        lib.aaren_window_step.restype = ctypes.c_int
+        lib.aaren_window_step.argtypes = [ctypes.c_int] * 11 + [ctypes.c_float] + [ctypes.c_void_p] * 27
+        _library = lib
+        return lib
+    warnings.warn(f"aaren_hf: could not build kernels/window/step.c with {cc} ({'; '.join(errors)}): decoding on the "
+                  "CPU runs the PyTorch window step, about twice slower", stacklevel=2)
+    return None
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _writable(state, name):
+    """State tensor ``name`` contiguous and writable in place (a tensor made under inference_mode cannot be written
+    outside it: copied once)."""
+    t = getattr(state, name)
+    if not t.is_contiguous() or (t.is_inference() and not torch.is_inference_mode_enabled()):
+        t = t.contiguous() if not t.is_inference() else t.clone(memory_format=torch.contiguous_format)
+        setattr(state, name, t)
+    return t
+
+
+def window_step_cpu(q, k, v, pos, at_token, sink_turn, state, retention, *, sinks, memory_size, bits, rotate, scale):
+    """``AarenMixer.window_step`` for a batch whose tokens are all past position S + W - 2 (no padding, no sink
+    still to fill): q [B, 1, H, D], k and v [B, 1, Hkv, D] float32 before rotary; ``at_token`` and ``sink_turn``:
+    the (cos, sin) of ``AarenMixer.step_angles``; the state is updated (window shifted, memory offered) and the
+    output [B, 1, H, D] float32 returned. None (nothing touched) where this kernel does not apply: not a CPU
+    float32 step, a float16 cache, head size or query group too large, no compiler."""
+    B, _, H, D = q.shape
+    Hkv = k.shape[2]
+    stored = state.window_k.dtype
+    M = memory_size
+    if (q.device.type != "cpu" or not q.dtype == k.dtype == v.dtype == torch.float32 or pos.dtype != torch.int64
+            or stored not in
+            (torch.float32, torch.bfloat16) or D > MAX_HEAD_DIM or H % Hkv or H // Hkv > MAX_GROUP
+            or (M > 0 and bits is None and state.memory_k.dtype != stored)):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    q, k, v, pos = _dense(q), _dense(k), _dense(v), _dense(pos)
+    W = state.window_k.shape[1] + 1
+    rot = at_token[0].shape[-1]
+    # [B, 1, 1, rot] float32 angles and [B, 1] positions are laid out as [B, rot] and [B]: passed as they are
+    cos_t, sin_t = (_dense(a) for a in at_token)
+    cos_s, sin_s = (cos_t, sin_t) if sink_turn is None else (_dense(a) for a in sink_turn)
+    win_k, win_v = _dense(state.window_k), _dense(state.window_v)
+    new_k, new_v, new_pos = torch.empty_like(win_k), torch.empty_like(win_v), torch.empty_like(state.window_pos)
+    out = torch.empty(B, H, D, dtype=torch.float32)
+    memory = [0] * 6
+    win_score = new_score = ret = 0
+    if M > 0:
+        names = ("memory_k", "memory_v", "memory_k_scale", "memory_v_scale") if bits else ("memory_k", "memory_v")
+        memory = [_writable(state, n) for n in names] + ([] if bits else [0, 0])
+        memory += [_writable(state, "memory_pos"), _writable(state, "memory_score")]
+        win_score = _dense(state.window_score)
+        new_score = torch.empty_like(win_score)
+        ret = _dense(retention)  # [B, 1, Hkv] float32
+    tensors = (q, k, v, pos, cos_t, sin_t, cos_s, sin_s, win_k, win_v, _dense(state.window_pos), win_score,
+               _dense(state.sink_k), _dense(state.sink_v), _dense(state.sink_pos), *memory, ret,
+               out, new_k, new_v, new_pos, new_score)
+    rc = lib.aaren_window_step(B, H, Hkv, D, rot, W, sinks, M, int(stored == torch.bfloat16), bits or 0,
+                               int(bool(rotate)), float(scale),
+                               *(t.data_ptr() if isinstance(t, torch.Tensor) else None for t in tensors))
+    if rc != 0:
+        raise RuntimeError(f"aaren_window_step failed ({rc}) for B={B} H={H} Hkv={Hkv} D={D} W={W} M={M}")
+    state.window_k, state.window_v, state.window_pos = new_k, new_v, new_pos
+    if M > 0:
+        state.window_score = new_score
+    return out.view(B, 1, H, D)

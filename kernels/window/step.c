@@ -1,0 +1,333 @@
+/* Copyright 2026 The aaren-hf authors. Apache-2.0.
+ *
+ * The one-token decode step of the window branch on a CPU, in one call: what AarenMixer.window_step (the PyTorch
+ * reference, aaren_hf/modeling_aaren.py) does in about 150 small operators per layer, for a token past the first
+ * S + W - 1 positions in a batch without padding (the Python side checks that and takes the reference otherwise).
+ *
+ *   1. the token's query and key rotated at its position; its key and value stored as the window stores them;
+ *   2. one softmax over the window (W - 1 entries + the token), the sinks (keys turned by p - (S + W - 1)) and the
+ *      memory (codes read back), each kv head's G query heads over its keys;
+ *   3. the oldest window entry offered to the memory (it takes the weakest slot if it beats it) and coded;
+ *   4. the window shifted by one into the new_win_* buffers (the state the reference leaves, bit for bit).
+ *
+ * Every value the state keeps is computed with the reference's float32 operations in its order (rotary as two
+ * products and a sum, the Hadamard butterflies, the bfloat16 rounding of scales and keys, round-half-even codes),
+ * so the state is the same bit for bit; built with -ffp-contract=off and without -ffast-math for that. The
+ * attention output is a float32 sum in another order: equal to rounding.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_D 256
+#define MAX_G 16
+
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* round to nearest even, as c10::BFloat16 */
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline void store(void *p, int bf16, int64_t i, float x) {
+    if (bf16) ((uint16_t *)p)[i] = float_to_bf16(x);
+    else ((float *)p)[i] = x;
+}
+
+/* 8 floats at a time (GCC/Clang vector extension): the compilers do not vectorise a float sum on their own without
+ * -ffast-math, which this file must not use */
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i32 __attribute__((vector_size(32)));
+typedef uint8_t v8u8 __attribute__((vector_size(8)));
+typedef int8_t v8i8 __attribute__((vector_size(8)));
+
+static inline v8f load8(const float *p) {
+    v8f x;
+    memcpy(&x, p, sizeof(x));
+    return x;
+}
+
+static inline float dot(const float *a, const float *b, int D) {
+    v8f acc = {0, 0, 0, 0, 0, 0, 0, 0};
+    int d = 0;
+    for (; d + 8 <= D; d += 8) acc += load8(a + d) * load8(b + d);
+    float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (; d < D; d++) s += a[d] * b[d];
+    return s;
+}
+
+static inline void axpy(float *y, float w, const float *x, int D) {
+    int d = 0;
+    for (; d + 8 <= D; d += 8) {
+        v8f r = load8(y + d) + w * load8(x + d);
+        memcpy(y + d, &r, sizeof(r));
+    }
+    for (; d < D; d++) y[d] += w * x[d];
+}
+
+/* row of D elements at element offset off of a float32 or bfloat16 array, as float32 */
+static inline void load_row(float *dst, const void *src, int bf16, int64_t off, int D) {
+    if (!bf16) {
+        memcpy(dst, (const float *)src + off, sizeof(float) * D);
+        return;
+    }
+    const uint16_t *h = (const uint16_t *)src + off;
+    for (int d = 0; d < D; d++) {
+        uint32_t u = (uint32_t)h[d] << 16;
+        memcpy(dst + d, &u, 4);
+    }
+}
+
+/* x times the +-1 Sylvester-Hadamard matrix, as modeling_aaren.hadamard's butterflies (without its 1 / D): the top
+ * bit of the index is paired each round and becomes the lowest */
+static void butterflies(float *x, int D) {
+    float t[MAX_D];
+    for (int n = D; n > 1; n >>= 1) {
+        int half = D / 2;
+        for (int i = 0; i < half; i++) {
+            t[2 * i] = x[i] + x[i + half];
+            t[2 * i + 1] = x[i] - x[i + half];
+        }
+        memcpy(x, t, sizeof(float) * D);
+    }
+}
+
+/* rotate-half rotary on the first rot channels, as modeling_aaren.rotate_by: x * cos + rotate_half(x) * sin */
+static void rotary(const float *x, const float *c, const float *s, int rot, int D, float *out) {
+    int half = rot / 2;
+    for (int d = 0; d < rot; d++) {
+        float partner = d < half ? -x[d + half] : x[d - half];
+        float a = x[d] * c[d];
+        float b = partner * s[d];
+        out[d] = a + b;
+    }
+    for (int d = rot; d < D; d++) out[d] = x[d];
+}
+
+/* MemoryCodes.encode of one vector: codes (D / 2 bytes at 4 bits, D at 8) and a bfloat16 scale */
+static void encode(const float *x_in, int D, int bits, int rotate, uint8_t *codes, uint16_t *scale) {
+    float x[MAX_D];
+    float top = bits == 8 ? 127.0f : 7.0f;
+    for (int d = 0; d < D; d++) x[d] = rotate ? x_in[d] / (float)D : x_in[d];
+    if (rotate) butterflies(x, D);
+    float amax = 0.0f;
+    for (int d = 0; d < D; d++) {
+        float a = fabsf(x[d]);
+        if (a > amax || isnan(a)) amax = a;
+    }
+    uint16_t sc = float_to_bf16(amax / top);
+    float den = bf16_to_float(sc);
+    if (den < 1.17549435e-38f) den = 1.17549435e-38f; /* clamp(min=finfo(float32).tiny) */
+    float c[MAX_D];
+    for (int d = 0; d < D; d++) {
+        float q = rintf(x[d] / den);
+        c[d] = q < -top ? -top : (q > top ? top : q);
+    }
+    if (bits == 8) {
+        for (int d = 0; d < D; d++) ((int8_t *)codes)[d] = (int8_t)c[d];
+    } else {
+        int half = D / 2;
+        for (int d = 0; d < half; d++)
+            codes[d] = (uint8_t)((uint8_t)(c[d] + 8.0f) | ((uint8_t)(c[d + half] + 8.0f) << 4));
+    }
+    *scale = sc;
+}
+
+/* memory entry e as a query reads it (MemoryCodes.decode, rotated codes left rotated); bits 0: no codes, stored as
+ * the window stores keys and values */
+static void read_entry(const void *mem, const uint16_t *scales, int64_t e, int D, int bits, int bf16, float *out) {
+    if (bits == 0) {
+        load_row(out, mem, bf16, e * D, D);
+        return;
+    }
+    float sc = bf16_to_float(scales[e]);
+    int d = 0;
+    if (bits == 8) {
+        const int8_t *c = (const int8_t *)mem + e * D;
+        for (; d + 8 <= D; d += 8) {
+            v8i8 x;
+            memcpy(&x, c + d, 8);
+            v8f r = __builtin_convertvector(x, v8f) * sc;
+            memcpy(out + d, &r, sizeof(r));
+        }
+        for (; d < D; d++) out[d] = (float)c[d] * sc;
+    } else {
+        int half = D / 2;
+        const uint8_t *c = (const uint8_t *)mem + e * half;
+        for (; d + 8 <= half; d += 8) {
+            v8u8 x;
+            memcpy(&x, c + d, 8);
+            v8f lo = __builtin_convertvector(__builtin_convertvector(x & 15, v8i32) - 8, v8f) * sc;
+            v8f hi = __builtin_convertvector(__builtin_convertvector(x >> 4, v8i32) - 8, v8f) * sc;
+            memcpy(out + d, &lo, sizeof(lo));
+            memcpy(out + d + half, &hi, sizeof(hi));
+        }
+        for (; d < half; d++) {
+            out[d] = (float)((int)(c[d] & 15) - 8) * sc;
+            out[d + half] = (float)((int)(c[d] >> 4) - 8) * sc;
+        }
+    }
+}
+
+int aaren_window_step(
+    int B, int H, int Hkv, int D, int rot, int W, int S, int M, int bf16, int bits, int rotate, float scale,
+    const float *q, const float *k, const float *v, const int64_t *pos,              /* [B, H|Hkv, D], [B] */
+    const float *cos_t, const float *sin_t, const float *cos_s, const float *sin_s,  /* [B, rot] */
+    const void *win_k, const void *win_v, const int64_t *win_pos, const float *win_score, /* W - 1 entries */
+    const void *sink_k, const void *sink_v, const int64_t *sink_pos,
+    void *mem_k, void *mem_v, uint16_t *mem_k_scale, uint16_t *mem_v_scale, int64_t *mem_pos, float *mem_score,
+    const float *retention,                                                           /* [B, Hkv] */
+    float *out, void *new_win_k, void *new_win_v, int64_t *new_win_pos, float *new_win_score) {
+    int G = H / Hkv;
+    if (D > MAX_D || G > MAX_G || (rotate && (D & (D - 1)))) return 1;
+    int Wp = W - 1, N = W + S + M;
+    int64_t code_width = bits == 4 ? D / 2 : D; /* per memory entry, in elements of its array */
+    float qr[MAX_G][MAX_D], qs[MAX_G][MAX_D], acc[MAX_G][MAX_D], accm[MAX_G][MAX_D];
+    float key[MAX_D], val[MAX_D], knew[MAX_D], vnew[MAX_D], x[MAX_D], y[MAX_D];
+    float *scores = malloc(sizeof(float) * G * N); /* [G, N]: scores, then weights */
+    if (!scores) return 2;
+    for (int b = 0; b < B; b++) {
+        int64_t p = pos[b];
+        const float *ct = cos_t + (int64_t)b * rot, *st = sin_t + (int64_t)b * rot;
+        const float *cs = cos_s + (int64_t)b * rot, *ss = sin_s + (int64_t)b * rot;
+        for (int h = 0; h < Hkv; h++) {
+            int64_t row = (int64_t)b * Hkv + h;
+            /* the token: key rotated and stored as the window stores it (rounded), value stored */
+            rotary(k + row * D, ct, st, rot, D, x);
+            for (int d = 0; d < D; d++) {
+                knew[d] = bf16 ? bf16_to_float(float_to_bf16(x[d])) : x[d];
+                vnew[d] = bf16 ? bf16_to_float(float_to_bf16(v[row * D + d])) : v[row * D + d];
+            }
+            for (int g = 0; g < G; g++) {
+                rotary(q + ((int64_t)b * H + h * G + g) * D, ct, st, rot, D, qr[g]);
+                memcpy(qs[g], qr[g], sizeof(float) * D);
+                if (rotate && M > 0) butterflies(qs[g], D); /* <q S, k S / D> = <q, k> */
+            }
+            /* scores: window (oldest first, then the token), sinks, memory; -INFINITY where nothing is there */
+            int n = 0;
+            for (int j = 0; j < W; j++, n++) {
+                int64_t kp = j < Wp ? win_pos[(int64_t)b * Wp + j] : p;
+                const float *kk = knew;
+                if (j < Wp) {
+                    load_row(key, win_k, bf16, (((int64_t)b * Wp + j) * Hkv + h) * D, D);
+                    kk = key;
+                }
+                for (int g = 0; g < G; g++) scores[g * N + n] = kp >= 0 ? dot(qr[g], kk, D) * scale : -INFINITY;
+            }
+            for (int i = 0; i < S; i++, n++) {
+                int64_t sp = sink_pos[(int64_t)b * S + i];
+                load_row(x, sink_k, bf16, (((int64_t)b * S + i) * Hkv + h) * D, D);
+                rotary(x, cs, ss, rot, D, key);
+                for (int g = 0; g < G; g++) scores[g * N + n] = sp >= 0 ? dot(qr[g], key, D) * scale : -INFINITY;
+            }
+            for (int m = 0; m < M; m++, n++) {
+                int64_t e = row * M + m;
+                if (mem_pos[e] < 0) {
+                    for (int g = 0; g < G; g++) scores[g * N + n] = -INFINITY;
+                    continue;
+                }
+                read_entry(mem_k, mem_k_scale, e, D, bits, bf16, key);
+                for (int g = 0; g < G; g++) scores[g * N + n] = dot(qs[g], key, D) * scale;
+            }
+            /* softmax and the weighted values; the memory's rotated values are turned back once, at the end */
+            for (int g = 0; g < G; g++) {
+                float top = -INFINITY, sum = 0.0f;
+                for (int j = 0; j < N; j++) top = scores[g * N + j] > top ? scores[g * N + j] : top;
+                for (int j = 0; j < N; j++) {
+                    float w = scores[g * N + j] == -INFINITY ? 0.0f : expf(scores[g * N + j] - top);
+                    scores[g * N + j] = w;
+                    sum += w;
+                }
+                for (int j = 0; j < N; j++) scores[g * N + j] /= sum;
+                memset(acc[g], 0, sizeof(float) * D);
+                memset(accm[g], 0, sizeof(float) * D);
+            }
+            n = 0;
+            for (int j = 0; j < W; j++, n++) {
+                const float *vv = vnew;
+                if (j < Wp) {
+                    load_row(val, win_v, bf16, (((int64_t)b * Wp + j) * Hkv + h) * D, D);
+                    vv = val;
+                }
+                for (int g = 0; g < G; g++) if (scores[g * N + n] != 0.0f) axpy(acc[g], scores[g * N + n], vv, D);
+            }
+            for (int i = 0; i < S; i++, n++) {
+                load_row(val, sink_v, bf16, (((int64_t)b * S + i) * Hkv + h) * D, D);
+                for (int g = 0; g < G; g++) if (scores[g * N + n] != 0.0f) axpy(acc[g], scores[g * N + n], val, D);
+            }
+            for (int m = 0; m < M; m++, n++) {
+                int64_t e = row * M + m;
+                if (mem_pos[e] < 0) continue;
+                read_entry(mem_v, mem_v_scale, e, D, bits, bf16, val);
+                for (int g = 0; g < G; g++) if (scores[g * N + n] != 0.0f) axpy(accm[g], scores[g * N + n], val, D);
+            }
+            for (int g = 0; g < G; g++) {
+                if (rotate && M > 0) butterflies(accm[g], D);
+                float *o = out + ((int64_t)b * H + h * G + g) * D;
+                for (int d = 0; d < D; d++) o[d] = acc[g][d] + accm[g][d];
+            }
+
+            /* the oldest window entry leaves: into the weakest memory slot if it ranks (offer_to_memory's rule) */
+            if (M > 0) {
+                float s0 = win_score[((int64_t)b * Wp) * Hkv + h];
+                int64_t p0 = win_pos[(int64_t)b * Wp];
+                float low = INFINITY;
+                for (int m = 0; m < M; m++) low = mem_score[row * M + m] < low ? mem_score[row * M + m] : low;
+                if (s0 >= low && p0 >= S) {
+                    int slot = -1;
+                    for (int m = 0; m < M; m++)
+                        if (mem_score[row * M + m] == low && (slot < 0 || mem_pos[row * M + m] < mem_pos[row * M + slot]))
+                            slot = m;
+                    int64_t e = row * M + slot;
+                    load_row(x, win_k, bf16, (((int64_t)b * Wp) * Hkv + h) * D, D);
+                    load_row(y, win_v, bf16, (((int64_t)b * Wp) * Hkv + h) * D, D);
+                    if (bits == 0) {
+                        for (int d = 0; d < D; d++) {
+                            store(mem_k, bf16, e * D + d, x[d]);
+                            store(mem_v, bf16, e * D + d, y[d]);
+                        }
+                    } else {
+                        encode(x, D, bits, rotate, (uint8_t *)mem_k + e * code_width, mem_k_scale + e);
+                        encode(y, D, bits, rotate, (uint8_t *)mem_v + e * code_width, mem_v_scale + e);
+                    }
+                    mem_pos[e] = p0;
+                    mem_score[e] = s0;
+                }
+            }
+            /* the window shifted by one, the token last */
+            for (int j = 0; j + 1 < Wp; j++) {
+                for (int d = 0; d < D; d++) {
+                    int64_t from = (((int64_t)b * Wp + j + 1) * Hkv + h) * D + d;
+                    int64_t to = (((int64_t)b * Wp + j) * Hkv + h) * D + d;
+                    if (bf16) {
+                        ((uint16_t *)new_win_k)[to] = ((const uint16_t *)win_k)[from];
+                        ((uint16_t *)new_win_v)[to] = ((const uint16_t *)win_v)[from];
+                    } else {
+                        ((float *)new_win_k)[to] = ((const float *)win_k)[from];
+                        ((float *)new_win_v)[to] = ((const float *)win_v)[from];
+                    }
+                }
+                if (M > 0) new_win_score[((int64_t)b * Wp + j) * Hkv + h] = win_score[((int64_t)b * Wp + j + 1) * Hkv + h];
+            }
+            for (int d = 0; d < D; d++) {
+                int64_t to = (((int64_t)b * Wp + Wp - 1) * Hkv + h) * D + d;
+                store(new_win_k, bf16, to, knew[d]);
+                store(new_win_v, bf16, to, vnew[d]);
+            }
+            if (M > 0) new_win_score[((int64_t)b * Wp + Wp - 1) * Hkv + h] = retention[row];
+        }
+        for (int j = 0; j + 1 < Wp; j++) new_win_pos[(int64_t)b * Wp + j] = win_pos[(int64_t)b * Wp + j + 1];
+        new_win_pos[(int64_t)b * Wp + Wp - 1] = p;
+    }
+    free(scores);
+    return 0;
+}

@@ -1,0 +1,100 @@
+"""The C decode step (kernels/window/step.c) against its reference, AarenMixer.window_step in PyTorch: the same
+output to float rounding and, after every step, the same state bit for bit, memory slots in the same order."""
+
+import shutil
+
+import pytest
+import torch
+
+import aaren_hf.modeling_aaren as modeling
+from aaren_hf.kernels import window as window_kernel
+from aaren_hf.modeling_aaren import AarenLayerState
+from helpers import MIXER_CASES, tiny_model
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                reason="no C compiler: the mixer runs the PyTorch step (tested in test_model.py)")
+
+WINDOW_CASES = [c for c, kw in MIXER_CASES.items() if kw.get("window_size")]
+# the default recipe's shape of memory (rotated 4-bit codes beside a bfloat16 window) at a real head size
+EXTRA = {
+    "default_like_d64": dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, window_size=5,
+                             num_sink_tokens=1, memory_size=6, kv_cache_dtype="bfloat16", memory_bits=4,
+                             memory_hadamard=True, num_query_slots=2, decay="learned"),
+    "int8_d64_float32_window": dict(hidden_size=128, num_attention_heads=2, window_size=3, num_sink_tokens=2,
+                                    memory_size=4, memory_bits=8),
+}
+
+
+def test_the_kernel_builds():
+    assert window_kernel.library() is not None
+
+
+@pytest.mark.parametrize("kv_cache_dtype", [None, "bfloat16"])
+@pytest.mark.parametrize("case", WINDOW_CASES + list(EXTRA))
+def test_kernel_step_equals_pytorch_step(case, kv_cache_dtype, monkeypatch):
+    """Two states fed the same tokens one at a time, through the kernel and through the PyTorch step, long enough
+    that the memory fills and then trades entries (random retention scores; kv head 0's all tie, so the tie rule
+    runs too)."""
+    kwargs = {"kv_cache_dtype": kv_cache_dtype, **MIXER_CASES.get(case, {}), **EXTRA.get(case, {})}
+    if "memory_bits" in kwargs and kv_cache_dtype is None and case in EXTRA:
+        kwargs["kv_cache_dtype"] = EXTRA[case].get("kv_cache_dtype")
+    model = tiny_model(**kwargs)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if hasattr(layer.mixer, "retention_proj"):
+                layer.mixer.retention_proj.weight[0] = 0.0
+    calls = {"kernel": 0}
+    kernel = modeling.window_step_cpu
+
+    def counted(*args, **kw):
+        out = kernel(*args, **kw)
+        calls["kernel"] += out is not None
+        return out
+
+    B, T = 2, 40
+    x = torch.randn(B, T, model.config.hidden_size, generator=torch.Generator().manual_seed(5)) * 2
+    mask = torch.ones(B, T, dtype=torch.bool)
+    pos = torch.arange(T).expand(B, T)
+    for layer in model.model.layers:
+        mixer = layer.mixer
+        if mixer.window <= 1:
+            continue
+        with_kernel, reference = AarenLayerState(), AarenLayerState()
+        for t in [slice(0, 3)] + [slice(i, i + 1) for i in range(3, T)]:
+            with torch.no_grad():
+                monkeypatch.setattr(modeling, "window_step_cpu", counted)
+                got = mixer(x[:, t], mask[:, t], pos[:, t], with_kernel)
+                monkeypatch.setattr(modeling, "window_step_cpu", None)
+                want = mixer(x[:, t], mask[:, t], pos[:, t], reference)
+            # float32 sums in another order: to 1e-5 of the largest output (a wrong key or weight moves it by far more)
+            torch.testing.assert_close(got, want, atol=1e-5 * float(want.abs().max()), rtol=1e-5,
+                                       msg=lambda m: f"{case} {t}: {m}")
+            want_state, got_state = reference.tensors(), with_kernel.tensors()
+            assert got_state.keys() == want_state.keys()
+            for name, tensor in got_state.items():
+                assert tensor.dtype == want_state[name].dtype, name
+                assert torch.equal(tensor, want_state[name]), f"{case} layer {mixer.layer_idx} {t}: {name}"
+        if mixer.memory_size:  # the memory did fill, and trade entries
+            assert bool((with_kernel.memory_pos >= 0).all())
+            assert int(with_kernel.memory_pos.max()) > mixer.num_sinks + mixer.window + mixer.memory_size
+    assert calls["kernel"] > 0
+
+
+def test_off_switch_and_unsupported_inputs_take_the_reference(monkeypatch):
+    """AAREN_BACKEND=torch turns the kernel off; a float16 cache is not the kernel's: it returns None and touches
+    nothing."""
+    model = tiny_model(window_size=3, num_sink_tokens=1, memory_size=2, kv_cache_dtype="float16")
+    mixer = model.model.layers[0].mixer
+    state = AarenLayerState()
+    x = torch.randn(1, 8, model.config.hidden_size)
+    mask, pos = torch.ones(1, 8, dtype=torch.bool), torch.arange(8).view(1, 8)
+    with torch.no_grad():
+        mixer(x[:, :6], mask[:, :6], pos[:, :6], state)
+        q, k, v = mixer.project(x[:, 6:7])
+        before = {n: t.clone() for n, t in state.tensors().items()}
+        angles = mixer.step_angles(pos[:, 6:7], None)
+        assert window_kernel.window_step_cpu(q, k, v, pos[:, 6:7], *angles, state, torch.zeros(1, 1, 1), sinks=1,
+                                             memory_size=2, bits=None, rotate=False, scale=mixer.scale) is None
+    assert all(torch.equal(t, before[n]) for n, t in state.tensors().items())
+    monkeypatch.setenv("AAREN_BACKEND", "torch")
+    assert window_kernel.library() is None
