@@ -6,6 +6,9 @@
 
 Backend: Triton for CUDA tensors (and for CPU tensors when TRITON_INTERPRET=1, which runs the kernels in Triton's
 interpreter), PyTorch otherwise. AAREN_BACKEND=triton|torch|naive overrides. Triton is optional.
+
+``window/``: the window branch's one-token decode step on a CPU as one C call (not the scan; its reference is
+``AarenMixer.window_step``).
 """
 
 import functools

@@ -98,3 +98,24 @@ def test_off_switch_and_unsupported_inputs_take_the_reference(monkeypatch):
     assert all(torch.equal(t, before[n]) for n, t in state.tensors().items())
     monkeypatch.setenv("AAREN_BACKEND", "torch")
     assert window_kernel.library() is None
+
+
+def test_without_a_working_compiler_the_reference_runs(monkeypatch, tmp_path):
+    """A compiler that fails (here: $CC names nothing) gives a warning that says what to do and no kernel; the
+    mixer then decodes with its PyTorch step."""
+    monkeypatch.setattr(window_kernel, "_tried", False)
+    monkeypatch.setattr(window_kernel, "_library", None)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("AAREN_HF_CACHE", str(tmp_path / "cache"))
+    with pytest.warns(UserWarning, match="could not build kernels/window/step.c"):
+        assert window_kernel.library() is None
+    model = tiny_model(window_size=3, num_sink_tokens=1, memory_size=2)
+    ids = torch.randint(1, 60, (1, 12))
+    with torch.no_grad():
+        full = model(ids).logits
+        out = model(ids[:, :6], use_cache=True)
+        cache, steps = out.past_key_values, []
+        for t in range(6, 12):
+            out = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+            steps.append(out.logits)
+    torch.testing.assert_close(torch.cat(steps, 1), full[:, 6:], atol=1e-4, rtol=0)
