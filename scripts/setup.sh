@@ -58,6 +58,12 @@ EOF
     GEMMA3=(--gemma3)
 fi
 
+# The CPU decode step (kernels/window/step.c) is compiled on first use with the machine's C compiler; without one
+# decoding runs the PyTorch step, about half as fast. Said here rather than installed: a compiler is a system package.
+if [ -z "${CC:-}" ] && ! command -v cc >/dev/null 2>&1 && ! command -v gcc >/dev/null 2>&1; then
+    log "no C compiler found: decoding on a CPU will run the slower PyTorch step (apt-get install gcc, or set CC)"
+fi
+
 # 4. Assets: GGUF -> float32 safetensors teacher(s); apt-get download + dpkg-deb -x of python3.11-doc,
 #    linux-doc-6.1 and perl-doc -> JSON-lines corpora. Each step is skipped when its cache is valid.
 if [ "${AAREN_SETUP_SKIP_ASSETS:-0}" != "1" ]; then

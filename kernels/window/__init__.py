@@ -2,7 +2,7 @@
 
 The reference is ``AarenMixer.window_step`` in ``aaren_hf/modeling_aaren.py`` (plain PyTorch, what a checkpoint's
 own copy of the code runs): this kernel leaves the same state bit for bit and the same output to float rounding
-(tests/test_window_kernel.py). On a CPU that step is about 150 small operators per layer, most of a decode step's
+(tests/test_window_kernel.py). On a CPU that step is about 170 small operators per layer, most of a decode step's
 time; here it is one call.
 
 ``step.c`` is compiled on first use with the machine's C compiler (``$CC``, else ``cc``) into

@@ -1,7 +1,7 @@
 /* Copyright 2026 The aaren-hf authors. Apache-2.0.
  *
  * The one-token decode step of the window branch on a CPU, in one call: what AarenMixer.window_step (the PyTorch
- * reference, aaren_hf/modeling_aaren.py) does in about 150 small operators per layer, for a token past the first
+ * reference, aaren_hf/modeling_aaren.py) does in about 170 small operators per layer, for a token past the first
  * S + W - 1 positions in a batch without padding (the Python side checks that and takes the reference otherwise).
  *
  *   1. the token's query and key rotated at its position; its key and value stored as the window stores them;
