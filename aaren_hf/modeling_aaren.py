@@ -807,7 +807,8 @@ class AarenMixer(nn.Module):
         """:meth:`window_branch` for one token once the window is full (decoding), in far fewer ops: one fused
         attention over [window, token, sinks, memory], the window shifted by one, and the entry leaving it offered to
         the memory. Same outputs (to float rounding) and the same state as the general path, which the tests check
-        against this one."""
+        against this one. On a CPU with the aaren_hf package installed, ``window_step_cpu`` (kernels/window) does
+        all of it in one C call, with this method as its reference."""
         B, _, Hkv, D = k.shape
         H, W, S, M = self.num_heads, self.window, self.num_sinks, self.memory_size
         p = pos[:, 0]

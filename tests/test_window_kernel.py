@@ -15,13 +15,13 @@ pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc
                                 reason="no C compiler: the mixer runs the PyTorch step (tested in test_model.py)")
 
 WINDOW_CASES = [c for c, kw in MIXER_CASES.items() if kw.get("window_size")]
-# the default recipe's shape of memory (rotated 4-bit codes beside a bfloat16 window) at a real head size
+# the default recipe's kind of memory (rotated 4-bit codes; 8-bit ones) at a real head size
 EXTRA = {
     "default_like_d64": dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, window_size=5,
-                             num_sink_tokens=1, memory_size=6, kv_cache_dtype="bfloat16", memory_bits=4,
-                             memory_hadamard=True, num_query_slots=2, decay="learned"),
-    "int8_d64_float32_window": dict(hidden_size=128, num_attention_heads=2, window_size=3, num_sink_tokens=2,
-                                    memory_size=4, memory_bits=8),
+                             num_sink_tokens=1, memory_size=6, memory_bits=4, memory_hadamard=True,
+                             num_query_slots=2, decay="learned"),
+    "int8_d64": dict(hidden_size=128, num_attention_heads=2, window_size=3, num_sink_tokens=2, memory_size=4,
+                     memory_bits=8),
 }
 
 
@@ -36,8 +36,6 @@ def test_kernel_step_equals_pytorch_step(case, kv_cache_dtype, monkeypatch):
     that the memory fills and then trades entries (random retention scores; kv head 0's all tie, so the tie rule
     runs too)."""
     kwargs = {"kv_cache_dtype": kv_cache_dtype, **MIXER_CASES.get(case, {}), **EXTRA.get(case, {})}
-    if "memory_bits" in kwargs and kv_cache_dtype is None and case in EXTRA:
-        kwargs["kv_cache_dtype"] = EXTRA[case].get("kv_cache_dtype")
     model = tiny_model(**kwargs)
     with torch.no_grad():
         for layer in model.model.layers:
