@@ -50,6 +50,7 @@ def _cpu_key() -> str:
 
 
 def _cache_dir() -> Path:
+    # the root of aaren_hf.conversion.assets.cache_root, restated: the kernels sit below the conversion package
     root = os.environ.get("AAREN_HF_CACHE")
     return (Path(root).expanduser() if root else Path.home() / ".cache" / "aaren_hf") / "kernels"
 
