@@ -188,7 +188,7 @@ int aaren_window_step(
     const float *retention,                                                           /* [B, Hkv] */
     float *out, void *new_win_k, void *new_win_v, int64_t *new_win_pos, float *new_win_score) {
     int G = H / Hkv;
-    if (D > MAX_D || G > MAX_G || (rotate && (D & (D - 1)))) return 1;
+    if (D > MAX_D || G > MAX_G || (rotate && (D & (D - 1)))) return 1; /* not this kernel's: the caller falls back */
     int Wp = W - 1, N = W + S + M;
     int64_t code_width = bits == 4 ? D / 2 : D; /* per memory entry, in elements of its array */
     float qr[MAX_G][MAX_D], qs[MAX_G][MAX_D], acc[MAX_G][MAX_D], accm[MAX_G][MAX_D];
