@@ -28,13 +28,14 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from .aaren_scan import aaren_step, chunk_aaren_mixed, chunk_aaren_torch, empty_state, recurrent_aaren_torch
 from .configuration_aaren import AarenConfig
 
-try:  # Triton kernels on CUDA and the C decode step on CPUs, when this package is installed; the PyTorch code in
+try:  # Triton kernels on CUDA and the C decode steps on CPUs, when this package is installed; the PyTorch code in
     # this file serves everywhere else (a checkpoint's own copy of it: nothing else to install)
     from aaren_hf.kernels import chunk_aaren, fused_recurrent_aaren
+    from aaren_hf.kernels.aaren.step import aaren_step_cpu
     from aaren_hf.kernels.window import window_step_cpu
 except ImportError:
     chunk_aaren, fused_recurrent_aaren = chunk_aaren_torch, recurrent_aaren_torch
-    window_step_cpu = None
+    aaren_step_cpu = window_step_cpu = None
 
 
 # Prompts longer than this go through the model in pieces of this many tokens when a cache is kept (prefill).
@@ -647,8 +648,7 @@ class AarenMixer(nn.Module):
 
         s = None
         if self.aaren_branch:
-            s = self.slot_scores(k).masked_fill(~mask.unsqueeze(-1), float("-inf"))
-            o = self.aaren_output(x, q, v, s, mask, state)
+            o, s = self.aaren_output(x, q, k, v, mask, state)
         if self.window > 0:
             retention = None
             if self.memory_size > 0:
@@ -679,22 +679,32 @@ class AarenMixer(nn.Module):
             q = self.q_norm(q) if hasattr(self, "q_norm") else q
         return q, self.keys(x), v
 
-    def aaren_output(self, x, q, v, s, mask, state):
-        """The Aaren branch [B, T, H, D]: per head and slot the running softmax(s)-weighted mean of the values (the
-        scan), slots mixed by the real query."""
+    def aaren_output(self, x, q, k, v, mask, state):
+        """(The Aaren branch [B, T, H, D], its masked slot scores s [B, T, H*J]): per head and slot the running
+        softmax(s)-weighted mean of the values (the scan), slots mixed by the real query."""
         B, T, Hkv, D = v.shape
         H, J = self.num_heads, self.num_slots
-        g = None
-        if self.decay != "none":
-            g = self.log_decay_per_token(x).masked_fill(~mask.unsqueeze(-1), 0.0)
         carried = None
         if state is not None and state.aaren_o is not None:
             carried = (state.aaren_o, state.aaren_lse)
+        decoding_on_cpu = not v.is_cuda and T == 1 and carried is not None and not torch.is_grad_enabled()
+        if decoding_on_cpu and aaren_step_cpu is not None:
+            # with the aaren_hf package: all of the CPU step below in one C call (kernels/aaren/step.c), the same
+            # state and output to float rounding
+            got = aaren_step_cpu(q, k, v, mask, self.queries, getattr(self, "log_decay", None),
+                                 self.decay_proj(x) if self.decay == "input" else None, state, decay=self.decay,
+                                 scale=self.scale)
+            if got is not None:
+                return got
+        s = self.slot_scores(k).masked_fill(~mask.unsqueeze(-1), float("-inf"))
+        g = None
+        if self.decay != "none":
+            g = self.log_decay_per_token(x).masked_fill(~mask.unsqueeze(-1), 0.0)
         mix = None  # [B, T, H, J]: how much each query head reads of its slots
         if J > 1:
             mix = torch.matmul(q.float().transpose(1, 2), self.queries.float().transpose(1, 2)).transpose(1, 2)
             mix = torch.softmax(mix * self.scale, -1)
-        if not v.is_cuda and (T > 1 or carried is None or torch.is_grad_enabled()):
+        if not v.is_cuda and not decoding_on_cpu:
             # the PyTorch scan: slots mixed inside each chunk, each kv head's values read once for its query heads
             if mix is None:
                 mix = v.new_ones(B, T, H, 1, dtype=torch.float32)
@@ -717,7 +727,7 @@ class AarenMixer(nn.Module):
             o = o.squeeze(3) if mix is None else (mix.unsqueeze(-1) * o.float()).sum(3)
         if state is not None:
             state.aaren_o, state.aaren_lse = final
-        return o
+        return o, s
 
     def slot_scores(self, k):
         """Aaren scores <k_t, c_hj> / sqrt(D) [B, T, H*J] float32 of keys k [B, T, Hkv, D]; op heads are (kv head,

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 import aaren_hf.modeling_aaren as modeling
+from aaren_hf.kernels import cbuild
 from aaren_hf.kernels import window as window_kernel
+from aaren_hf.kernels.aaren import step as aaren_kernel
 from aaren_hf.modeling_aaren import AarenLayerState
 from helpers import MIXER_CASES, tiny_model
 
@@ -111,14 +113,16 @@ def test_off_switch_and_unsupported_inputs_take_the_reference(monkeypatch):
 
 
 def test_without_a_working_compiler_the_reference_runs(monkeypatch, tmp_path):
-    """A compiler that fails (here: $CC names nothing) gives a warning that says what to do and no kernel; the
-    mixer then decodes with its PyTorch step."""
-    monkeypatch.setattr(window_kernel, "_tried", False)
-    monkeypatch.setattr(window_kernel, "_library", None)
+    """A compiler that fails (here: $CC names nothing) gives a warning that says what to do and no kernel, once
+    per kernel; the mixer then decodes with its PyTorch steps."""
+    monkeypatch.setattr(cbuild, "_loaded", {})
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("AAREN_HF_CACHE", str(tmp_path / "cache"))
     with pytest.warns(UserWarning, match="could not build kernels/window/step.c"):
         assert window_kernel.library() is None
+    with pytest.warns(UserWarning, match="could not build kernels/aaren/step.c"):
+        assert aaren_kernel.library() is None
+    assert window_kernel.library() is None and aaren_kernel.library() is None  # tried once: no second warning
     model = tiny_model(window_size=3, num_sink_tokens=1, memory_size=2)
     ids = torch.randint(1, 60, (1, 12))
     with torch.no_grad():

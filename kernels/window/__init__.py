@@ -5,103 +5,29 @@ own copy of the code runs): this kernel leaves the same state bit for bit and th
 (tests/test_window_kernel.py). On a CPU that step is about 170 small operators per layer, most of a decode step's
 time; here it is one call.
 
-``step.c`` is compiled on first use with the machine's C compiler (``$CC``, else ``cc``) into
-``$AAREN_HF_CACHE/kernels`` (default ``~/.cache/aaren_hf/kernels``), keyed by the source, the flags and the CPU, and
-loaded with ctypes: no build step at install, no Python headers. Without a compiler, or with
-``AAREN_BACKEND=torch`` (or ``naive``), ``window_step_cpu`` returns None and the mixer runs the reference.
+``step.c`` is compiled on first use (``kernels/cbuild.py``). Without a compiler, or with ``AAREN_BACKEND=torch``
+(or ``naive``), ``window_step_cpu`` returns None and the mixer runs the reference.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import warnings
 from pathlib import Path
 
 import torch
 
+from ..cbuild import dense as _dense
+from ..cbuild import load
+
 __all__ = ["window_step_cpu", "library"]
 
 SOURCE = Path(__file__).with_name("step.c")
-# -ffp-contract=off: no fused multiply-adds, so rotary, codes and scales round as PyTorch's separate ops do
-FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"]
-NATIVE = ["-march=native"]
-
-_library = None
-_tried = False
-
-
-def _cpu_key() -> str:
-    """What -march=native depends on: the CPU's flags (Linux), else the machine name."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line
-    except OSError:
-        pass
-    return platform.machine() + platform.processor()
-
-
-def _cache_dir() -> Path:
-    # the root of aaren_hf.conversion.assets.cache_root, restated: the kernels sit below the conversion package
-    root = os.environ.get("AAREN_HF_CACHE")
-    return (Path(root).expanduser() if root else Path.home() / ".cache" / "aaren_hf") / "kernels"
-
-
-def _compile(cc: str, flags: list, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
-    os.close(fd)
-    try:
-        subprocess.run([cc, *flags, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, timeout=120)
-        os.replace(tmp, target)  # atomic: another process never loads half a file
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+SIGNATURES = {"aaren_window_step": (ctypes.c_int, [ctypes.c_int] * 11 + [ctypes.c_float] + [ctypes.c_void_p] * 27)}
 
 
 def library():
     """The compiled step (ctypes), built on first use; None when disabled or when no compiler can build it."""
-    global _library, _tried
-    if os.environ.get("AAREN_BACKEND", "").strip().lower() in ("torch", "naive"):
-        return None
-    if _tried:
-        return _library
-    _tried = True
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        warnings.warn("aaren_hf: no C compiler (set CC, or install gcc): decoding on the CPU runs the PyTorch window "
-                      "step, about twice slower", stacklevel=2)
-        return None
-    errors = []
-    for flags in (FLAGS + NATIVE, FLAGS):
-        key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *flags]).encode() + _cpu_key().encode())
-        target = _cache_dir() / f"window_step-{key.hexdigest()[:16]}.so"
-        try:
-            if not target.exists():
-                _compile(cc, flags, target)
-            lib = ctypes.CDLL(str(target))
-        except (OSError, subprocess.SubprocessError) as error:
-            stderr = getattr(error, "stderr", b"") or b""
-            errors.append(f"{' '.join(flags)}: {error} {stderr.decode(errors='replace')[-500:]}")
-            continue
-        lib.aaren_window_step.restype = ctypes.c_int
-        lib.aaren_window_step.argtypes = [ctypes.c_int] * 11 + [ctypes.c_float] + [ctypes.c_void_p] * 27
-        _library = lib
-        return lib
-    warnings.warn(f"aaren_hf: could not build kernels/window/step.c with {cc} ({'; '.join(errors)}): decoding on the "
-                  "CPU runs the PyTorch window step, about twice slower", stacklevel=2)
-    return None
-
-
-def _dense(t: torch.Tensor) -> torch.Tensor:
-    return t if t.is_contiguous() else t.contiguous()
+    return load(SOURCE, SIGNATURES, "the PyTorch window step, about twice slower")
 
 
 def _writable(state, name):

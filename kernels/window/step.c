@@ -303,27 +303,22 @@ int aaren_window_step(
                     mem_score[e] = s0;
                 }
             }
-            /* the window shifted by one, the token last */
-            for (int j = 0; j + 1 < Wp; j++) {
-                for (int d = 0; d < D; d++) {
-                    int64_t from = (((int64_t)b * Wp + j + 1) * Hkv + h) * D + d;
-                    int64_t to = (((int64_t)b * Wp + j) * Hkv + h) * D + d;
-                    if (bf16) {
-                        ((uint16_t *)new_win_k)[to] = ((const uint16_t *)win_k)[from];
-                        ((uint16_t *)new_win_v)[to] = ((const uint16_t *)win_v)[from];
-                    } else {
-                        ((float *)new_win_k)[to] = ((const float *)win_k)[from];
-                        ((float *)new_win_v)[to] = ((const float *)win_v)[from];
-                    }
-                }
-                if (M > 0) new_win_score[((int64_t)b * Wp + j) * Hkv + h] = win_score[((int64_t)b * Wp + j + 1) * Hkv + h];
-            }
+            /* the token last in the shifted window (the rest moves below, one copy per row of the batch) */
             for (int d = 0; d < D; d++) {
                 int64_t to = (((int64_t)b * Wp + Wp - 1) * Hkv + h) * D + d;
                 store(new_win_k, bf16, to, knew[d]);
                 store(new_win_v, bf16, to, vnew[d]);
             }
             if (M > 0) new_win_score[((int64_t)b * Wp + Wp - 1) * Hkv + h] = retention[row];
+        }
+        /* the window shifted by one: entries 1 .. W - 2 of row b are contiguous ([B, W - 1, Hkv, D]) */
+        size_t width = bf16 ? 2 : 4, entry = (size_t)Hkv * D * width, first = (size_t)b * Wp * entry;
+        if (Wp > 1) {
+            memcpy((char *)new_win_k + first, (const char *)win_k + first + entry, (size_t)(Wp - 1) * entry);
+            memcpy((char *)new_win_v + first, (const char *)win_v + first + entry, (size_t)(Wp - 1) * entry);
+            if (M > 0)
+                memcpy(new_win_score + (int64_t)b * Wp * Hkv, win_score + ((int64_t)b * Wp + 1) * Hkv,
+                       sizeof(float) * (Wp - 1) * Hkv);
         }
         for (int j = 0; j + 1 < Wp; j++) new_win_pos[(int64_t)b * Wp + j] = win_pos[(int64_t)b * Wp + j + 1];
         new_win_pos[(int64_t)b * Wp + Wp - 1] = p;

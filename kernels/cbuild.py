@@ -1,0 +1,98 @@
+"""The CPU decode steps' C sources (``aaren/step.c``, ``window/step.c``), compiled on first use and loaded with ctypes.
+
+Each is compiled with the machine's C compiler (``$CC``, else ``cc``/``gcc``) into ``$AAREN_HF_CACHE/kernels``
+(default ``~/.cache/aaren_hf/kernels``), keyed by the source, the flags and the CPU: no build step at install, no
+Python headers. ``AAREN_BACKEND=torch`` (or ``naive``) turns them off; without a compiler, or where it fails, a
+warning says so once and the mixer runs its PyTorch step (each kernel's reference).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+# -ffp-contract=off: no fused multiply-adds, so values round as PyTorch's separate ops do
+FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"]
+NATIVE = ["-march=native"]
+
+_loaded: dict = {}  # source -> library, or None once it could not be built
+
+
+def disabled() -> bool:
+    return os.environ.get("AAREN_BACKEND", "").strip().lower() in ("torch", "naive")
+
+
+def _cpu_key() -> str:
+    """What -march=native depends on: the CPU's flags (Linux), else the machine name."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.machine() + platform.processor()
+
+
+def _cache_dir() -> Path:
+    # the root of aaren_hf.conversion.assets.cache_root, restated: the kernels sit below the conversion package
+    root = os.environ.get("AAREN_HF_CACHE")
+    return (Path(root).expanduser() if root else Path.home() / ".cache" / "aaren_hf") / "kernels"
+
+
+def _compile(cc: str, flags: list, source: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        subprocess.run([cc, *flags, str(source), "-o", tmp, "-lm"], check=True, capture_output=True, timeout=120)
+        os.replace(tmp, target)  # atomic: another process never loads half a file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load(source: Path, signatures: dict, instead: str):
+    """``source`` compiled (once per machine) and loaded, its functions typed by ``signatures`` ({name: (restype,
+    argtypes)}); None when disabled or when it cannot be built (then, once, a warning that ``instead`` runs)."""
+    if disabled():
+        return None
+    if source in _loaded:
+        return _loaded[source]
+    _loaded[source] = None
+    where = f"kernels/{source.parent.name}/{source.name}"
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        warnings.warn(f"aaren_hf: no C compiler (set CC, or install gcc) for {where}: decoding on the CPU runs "
+                      f"{instead}", stacklevel=3)
+        return None
+    errors = []
+    for flags in (FLAGS + NATIVE, FLAGS):
+        key = hashlib.sha256(source.read_bytes() + " ".join([cc, *flags]).encode() + _cpu_key().encode())
+        target = _cache_dir() / f"{source.parent.name}_{source.stem}-{key.hexdigest()[:16]}.so"
+        try:
+            if not target.exists():
+                _compile(cc, flags, source, target)
+            lib = ctypes.CDLL(str(target))
+        except (OSError, subprocess.SubprocessError) as error:
+            stderr = getattr(error, "stderr", b"") or b""
+            errors.append(f"{' '.join(flags)}: {error} {stderr.decode(errors='replace')[-500:]}")
+            continue
+        for name, (restype, argtypes) in signatures.items():
+            getattr(lib, name).restype, getattr(lib, name).argtypes = restype, argtypes
+        _loaded[source] = lib
+        return lib
+    warnings.warn(f"aaren_hf: could not build {where} with {cc} ({'; '.join(errors)}): decoding on the CPU runs "
+                  f"{instead}", stacklevel=3)
+    return None
+
+
+def dense(t):
+    return t if t.is_contiguous() else t.contiguous()
