@@ -10,7 +10,6 @@ It is not a second implementation: it builds an ``AarenConfig`` from its argumen
 are therefore the config's (see ``AarenConfig``); only the padding mask follows PyTorch (True = padding).
 """
 
-import copy
 import warnings
 from typing import Optional
 
@@ -112,8 +111,7 @@ class AarenAttention(AarenPreTrainedModel):
             keep = ~padding_mask
         state = None
         if initial_state is not None or return_state:
-            # a shallow copy: the mixer replaces the state's tensors, so the caller's state stays as it was
-            state = copy.copy(initial_state) if initial_state is not None else AarenAttentionState()
+            state = initial_state.copy() if initial_state is not None else AarenAttentionState()
         start = torch.zeros(B, dtype=torch.long, device=x.device)
         if state is not None and state.real_tokens is not None:
             start = state.real_tokens

@@ -10,6 +10,7 @@ the window branch is on, the keys and values of the last ``window_size`` tokens 
 Nothing grows with the context.
 """
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -52,7 +53,7 @@ class AarenLayerState:
 
     Tensors are None until the first forward fills them, so a cache made before the batch is known (as
     ``generate`` does) needs no sizes. The one-token decode step writes an entry into the memory tensors in place;
-    every other update replaces tensors (copy a state to keep it).
+    every other update replaces tensors (:meth:`copy` a state to keep it).
     """
 
     is_compileable = False
@@ -84,6 +85,15 @@ class AarenLayerState:
                  "window_score", "memory_k", "memory_v", "memory_k_scale", "memory_v_scale", "memory_pos",
                  "memory_score")
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+
+    def copy(self):
+        """A state to continue from that leaves this one as it is: the memory tensors, which the decode step writes
+        in place, cloned; the others shared (every update replaces them)."""
+        new = copy.copy(self)
+        for name, tensor in self.tensors().items():
+            if name.startswith("memory_"):
+                setattr(new, name, tensor.clone())
+        return new
 
     def _apply(self, fn):
         for name, tensor in self.tensors().items():
