@@ -831,19 +831,19 @@ class AarenMixer(nn.Module):
         all of it in one C call, with this method as its reference."""
         B, _, Hkv, D = k.shape
         H, W, S, M = self.num_heads, self.window, self.num_sinks, self.memory_size
+        (cos, sin), sink_angles = self.step_angles(pos, shared)
+        if window_step_cpu is not None:
+            codes = self.memory_codes
+            out = window_step_cpu(q, k, v, pos, (cos, sin), sink_angles, state, retention, sinks=S, memory_size=M,
+                                  bits=codes and codes.bits, rotate=bool(codes and codes.rotate), scale=self.scale)
+            if out is not None:  # the same state and output in one call (CPU, float32, no early or padding token)
+                return out.to(q.dtype)
         p = pos[:, 0]
         stored = state.window_k.dtype
         # Rare cases, checked on the host (the general path syncs too): a padding token, or one so early (after left
         # padding) that it fills a sink slot or still has the sinks in its window.
         lowest = int(p.min())
         early = S > 0 and lowest < S + W - 1
-        (cos, sin), sink_angles = self.step_angles(pos, shared)
-        if not early and lowest >= 0 and window_step_cpu is not None:
-            codes = self.memory_codes
-            out = window_step_cpu(q, k, v, pos, (cos, sin), sink_angles, state, retention, sinks=S, memory_size=M,
-                                  bits=codes and codes.bits, rotate=bool(codes and codes.rotate), scale=self.scale)
-            if out is not None:  # the same state and output in one call (CPU, float32)
-                return out.to(q.dtype)
         qk = rotate_by(torch.cat([q, k], 2), cos, sin)  # q and k at the token's position
         k = to_cache(qk[:, :, H:], self.kv_cache_dtype).to(stored)
         v = to_cache(v, self.kv_cache_dtype).to(stored)

@@ -96,6 +96,19 @@ def test_off_switch_and_unsupported_inputs_take_the_reference(monkeypatch):
         assert window_kernel.window_step_cpu(q, k, v, pos[:, 6:7], *angles, state, torch.zeros(1, 1, 1), sinks=1,
                                              memory_size=2, bits=None, rotate=False, scale=mixer.scale) is None
     assert all(torch.equal(t, before[n]) for n, t in state.tensors().items())
+    # a padding token (position -1) or one that still sees the sinks in its window: the reference's (rare) cases
+    model = tiny_model(window_size=3, num_sink_tokens=1, memory_size=2)
+    mixer, state = model.model.layers[0].mixer, AarenLayerState()
+    with torch.no_grad():
+        mixer(x[:, :6], mask[:, :6], pos[:, :6], state)
+        q, k, v = mixer.project(x[:, 6:7])
+        before = {n: t.clone() for n, t in state.tensors().items()}
+        for p in (-1, 2):
+            at = torch.tensor([[p]])
+            assert window_kernel.window_step_cpu(q, k, v, at, *mixer.step_angles(at, None), state,
+                                                 torch.zeros(1, 1, 1), sinks=1, memory_size=2, bits=None,
+                                                 rotate=False, scale=mixer.scale) is None
+    assert all(torch.equal(t, before[n]) for n, t in state.tensors().items())
     # a head larger than step.c takes (MAX_D = 256): the kernel declines, the state keeps its values
     wide = tiny_model(hidden_size=512, num_attention_heads=1, window_size=3, num_sink_tokens=1, memory_size=2)
     mixer, state = wide.model.layers[0].mixer, AarenLayerState()

@@ -44,8 +44,8 @@ def window_step_cpu(q, k, v, pos, at_token, sink_turn, state, retention, *, sink
     """``AarenMixer.window_step`` for a batch whose tokens are all past position S + W - 2 (no padding, no sink
     still to fill): q [B, 1, H, D], k and v [B, 1, Hkv, D] float32 before rotary; ``at_token`` and ``sink_turn``:
     the (cos, sin) of ``AarenMixer.step_angles``; the state is updated (window shifted, memory offered) and the
-    output [B, 1, H, D] float32 returned. None (nothing touched) where this kernel does not apply: not a CPU
-    float32 step, a float16 cache, head size or query group too large, no compiler."""
+    output [B, 1, H, D] float32 returned. None (nothing touched) where this kernel does not apply: a padding or
+    early token, not a CPU float32 step, a float16 cache, head size or query group too large, no compiler."""
     B, _, H, D = q.shape
     Hkv = k.shape[2]
     stored = state.window_k.dtype
@@ -81,7 +81,7 @@ def window_step_cpu(q, k, v, pos, at_token, sink_turn, state, retention, *, sink
     rc = lib.aaren_window_step(B, H, Hkv, D, rot, W, sinks, M, int(stored == torch.bfloat16), bits or 0,
                                int(bool(rotate)), float(scale),
                                *(t.data_ptr() if isinstance(t, torch.Tensor) else None for t in tensors))
-    if rc == 1:  # a shape step.c does not take (head size or query group beyond its MAX_D / MAX_G): it wrote nothing
+    if rc == 1:  # not step.c's (a padding or early token, a head or query group beyond MAX_D / MAX_G): untouched
         return None
     if rc != 0:
         raise RuntimeError(f"aaren_window_step failed ({rc}) for B={B} H={H} Hkv={Hkv} D={D} W={W} M={M}")

@@ -2,7 +2,7 @@
  *
  * The one-token decode step of the window branch on a CPU, in one call: what AarenMixer.window_step (the PyTorch
  * reference, aaren_hf/modeling_aaren.py) does in about 170 small operators per layer, for a token past the first
- * S + W - 1 positions in a batch without padding (the Python side checks that and takes the reference otherwise).
+ * S + W - 1 positions in a batch without padding (otherwise it returns 1 at once and the reference runs).
  *
  *   1. the token's query and key rotated at its position; its key and value stored as the window stores them;
  *   2. one softmax over the window (W - 1 entries + the token), the sinks (keys turned by p - (S + W - 1)) and the
@@ -189,6 +189,8 @@ int aaren_window_step(
     float *out, void *new_win_k, void *new_win_v, int64_t *new_win_pos, float *new_win_score) {
     int G = H / Hkv;
     if (D > MAX_D || G > MAX_G || (rotate && (D & (D - 1)))) return 1; /* not this kernel's: the caller falls back */
+    for (int b = 0; b < B; b++) /* a padding token, or one that fills a sink or still sees the sinks in its window */
+        if (pos[b] < 0 || (S > 0 && pos[b] < S + W - 1)) return 1;
     int Wp = W - 1, N = W + S + M;
     int64_t code_width = bits == 4 ? D / 2 : D; /* per memory entry, in elements of its array */
     float qr[MAX_G][MAX_D], qs[MAX_G][MAX_D], acc[MAX_G][MAX_D], accm[MAX_G][MAX_D];
