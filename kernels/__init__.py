@@ -7,8 +7,9 @@
 Backend: Triton for CUDA tensors (and for CPU tensors when TRITON_INTERPRET=1, which runs the kernels in Triton's
 interpreter), PyTorch otherwise. AAREN_BACKEND=triton|torch|naive overrides. Triton is optional.
 
-``window/``: the window branch's one-token decode step on a CPU as one C call (not the scan; its reference is
-``AarenMixer.window_step``).
+The one-token decode step on a CPU is two C calls per layer, compiled on first use (``cbuild.py``):
+``aaren/step.c`` for the Aaren branch (slot scores, mix, decay and the scan's step; its reference is the PyTorch step
+in ``AarenMixer.aaren_output``) and ``window/step.c`` for the window branch (reference: ``AarenMixer.window_step``).
 """
 
 import functools
