@@ -23,6 +23,7 @@ FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"]
 NATIVE = ["-march=native"]
 
 _loaded: dict = {}  # source -> library, or None once it could not be built
+_said_no_compiler = False
 
 
 def disabled() -> bool:
@@ -70,8 +71,11 @@ def load(source: Path, signatures: dict, instead: str):
     where = f"kernels/{source.parent.name}/{source.name}"
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
-        warnings.warn(f"aaren_hf: no C compiler (set CC, or install gcc) for {where}: decoding on the CPU runs "
-                      f"{instead}", stacklevel=3)
+        global _said_no_compiler
+        if not _said_no_compiler:  # once for all the kernels
+            _said_no_compiler = True
+            warnings.warn("aaren_hf: no C compiler (set CC, or install gcc): decoding on the CPU runs the PyTorch "
+                          "steps, about half as fast", stacklevel=3)
         return None
     errors = []
     for flags in (FLAGS + NATIVE, FLAGS):

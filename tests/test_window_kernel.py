@@ -127,7 +127,7 @@ def test_off_switch_and_unsupported_inputs_take_the_reference(monkeypatch):
 
 def test_without_a_working_compiler_the_reference_runs(monkeypatch, tmp_path):
     """A compiler that fails (here: $CC names nothing) gives a warning that says what to do and no kernel, once
-    per kernel; the mixer then decodes with its PyTorch steps."""
+    per kernel; no compiler at all, one warning; the mixer then decodes with its PyTorch steps."""
     monkeypatch.setattr(cbuild, "_loaded", {})
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("AAREN_HF_CACHE", str(tmp_path / "cache"))
@@ -136,6 +136,14 @@ def test_without_a_working_compiler_the_reference_runs(monkeypatch, tmp_path):
     with pytest.warns(UserWarning, match="could not build kernels/aaren/step.c"):
         assert aaren_kernel.library() is None
     assert window_kernel.library() is None and aaren_kernel.library() is None  # tried once: no second warning
+    # no compiler at all: one warning for both kernels
+    monkeypatch.setattr(cbuild, "_loaded", {})
+    monkeypatch.setattr(cbuild, "_said_no_compiler", False)
+    monkeypatch.delenv("CC")
+    monkeypatch.setattr(cbuild.shutil, "which", lambda name: None)
+    with pytest.warns(UserWarning, match="no C compiler") as said:
+        assert window_kernel.library() is None and aaren_kernel.library() is None
+    assert len(said) == 1
     model = tiny_model(window_size=3, num_sink_tokens=1, memory_size=2)
     ids = torch.randint(1, 60, (1, 12))
     with torch.no_grad():
