@@ -85,7 +85,8 @@ def test_padding_leaves_the_state_as_it_was():
 
 
 def test_unsupported_inputs_take_the_reference(monkeypatch):
-    """bfloat16 inputs are not the kernel's: None and the state untouched; AAREN_BACKEND=torch turns it off."""
+    """bfloat16 inputs and more than 64 slots are not the kernel's: None and the state untouched;
+    AAREN_BACKEND=torch turns it off."""
     model = tiny_model(num_query_slots=2)
     mixer, state = model.model.layers[0].mixer, AarenLayerState()
     x = torch.randn(1, 5, model.config.hidden_size)
@@ -96,5 +97,19 @@ def test_unsupported_inputs_take_the_reference(monkeypatch):
         assert aaren_kernel.aaren_step_cpu(q, k.bfloat16(), v, torch.ones(1, 1, dtype=torch.bool), mixer.queries,
                                            None, None, state, decay="none", scale=mixer.scale) is None
     assert state.aaren_o is before
+    # more slots than step.c takes (MAX_J = 64): it declines, and the model decodes with the PyTorch step
+    many = tiny_model(hidden_size=16, num_attention_heads=2, num_query_slots=65)
+    mixer, state = many.model.layers[0].mixer, AarenLayerState()
+    x = torch.randn(1, 5, 16)
+    with torch.no_grad():
+        mixer(x[:, :4], torch.ones(1, 4, dtype=torch.bool), torch.arange(4).view(1, 4), state)
+        q, k, v = mixer.project(x[:, 4:])
+        assert aaren_kernel.aaren_step_cpu(q, k, v, torch.ones(1, 1, dtype=torch.bool), mixer.queries, None, None,
+                                           state, decay="none", scale=mixer.scale) is None
+        ids = torch.randint(1, 60, (1, 7))
+        out = many(ids[:, :4], use_cache=True)
+        steps = [many(ids[:, t:t + 1], past_key_values=out.past_key_values, use_cache=True).logits
+                 for t in range(4, 7)]
+        torch.testing.assert_close(steps[-1][:, -1], many(ids).logits[:, -1], atol=1e-4, rtol=0)
     monkeypatch.setenv("AAREN_BACKEND", "torch")
     assert aaren_kernel.library() is None
