@@ -291,3 +291,30 @@ def brute_force_aaren(s, v, g=None, initial_state=None):
     if initial_state is not None:
         o, lse = o[:, 1:], lse[:, :, 1:]
     return o, (o[:, -1], lse[:, :, -1])
+
+
+def kernel_beside_reference(mixer, x, mask, pos, monkeypatch, name, prompt=3):
+    """Feed ``mixer`` the same tokens twice, a prompt of ``prompt`` tokens and then one token per call: once with the
+    C decode step ``aaren_hf.modeling_aaren.<name>`` and once with it set to None (the PyTorch reference). Yields
+    (tokens, kernel output, reference output, kernel state, reference state) after each call, and at the end
+    asserts that the kernel served at least one call."""
+    import aaren_hf.modeling_aaren as modeling
+    from aaren_hf.modeling_aaren import AarenLayerState
+
+    kernel, served = getattr(modeling, name), []
+
+    def counted(*args, **kwargs):
+        out = kernel(*args, **kwargs)
+        served.append(out is not None)
+        return out
+
+    with_kernel, reference = AarenLayerState(), AarenLayerState()
+    for t in [slice(0, prompt)] + [slice(i, i + 1) for i in range(prompt, x.shape[1])]:
+        with torch.no_grad():
+            monkeypatch.setattr(modeling, name, counted)
+            got = mixer(x[:, t], mask[:, t], pos[:, t], with_kernel)
+            monkeypatch.setattr(modeling, name, None)
+            want = mixer(x[:, t], mask[:, t], pos[:, t], reference)
+        yield t, got, want, with_kernel, reference
+    monkeypatch.setattr(modeling, name, kernel)
+    assert any(served), f"{name} never served a step"

@@ -7,10 +7,9 @@ import shutil
 import pytest
 import torch
 
-import aaren_hf.modeling_aaren as modeling
 from aaren_hf.kernels.aaren import step as aaren_kernel
 from aaren_hf.modeling_aaren import AarenLayerState
-from helpers import MIXER_CASES, tiny_model
+from helpers import MIXER_CASES, kernel_beside_reference, tiny_model
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                 reason="no C compiler: the mixer runs the PyTorch step (tested in test_model.py)")
@@ -31,29 +30,16 @@ def test_kernel_step_equals_pytorch_step(case, monkeypatch):
     """Two states fed the same tokens, through the kernel and through the PyTorch step; row 1 is padding for a few
     decode steps (the state must not move), scores large enough that a decay or a missed stabiliser shows."""
     model = tiny_model(**MIXER_CASES.get(case, {}), **EXTRA.get(case, {}))
-    kernel, calls = modeling.aaren_step_cpu, {"kernel": 0}
-
-    def counted(*args, **kw):
-        out = kernel(*args, **kw)
-        calls["kernel"] += out is not None
-        return out
-
     B, T = 2, 30
     x = torch.randn(B, T, model.config.hidden_size, generator=torch.Generator().manual_seed(7)) * 3
     mask = torch.ones(B, T, dtype=torch.bool)
     mask[1, 5:9] = False
     pos = (mask.long().cumsum(1) - 1).masked_fill(~mask, -1)
-    for layer in model.model.layers:
-        mixer = layer.mixer
-        if not mixer.aaren_branch:
-            continue
-        with_kernel, reference = AarenLayerState(), AarenLayerState()
-        for t in [slice(0, 3)] + [slice(i, i + 1) for i in range(3, T)]:
-            with torch.no_grad():
-                monkeypatch.setattr(modeling, "aaren_step_cpu", counted)
-                got = mixer(x[:, t], mask[:, t], pos[:, t], with_kernel)
-                monkeypatch.setattr(modeling, "aaren_step_cpu", None)
-                want = mixer(x[:, t], mask[:, t], pos[:, t], reference)
+    mixers = [layer.mixer for layer in model.model.layers if layer.mixer.aaren_branch]
+    assert mixers
+    for mixer in mixers:
+        for t, got, want, with_kernel, reference in kernel_beside_reference(mixer, x, mask, pos, monkeypatch,
+                                                                             "aaren_step_cpu"):
             torch.testing.assert_close(got, want, atol=1e-5 * float(want.abs().max()), rtol=1e-5,
                                        msg=lambda m: f"{case} {t}: {m}")
             want_state, got_state = reference.tensors(), with_kernel.tensors()
@@ -66,7 +52,6 @@ def test_kernel_step_equals_pytorch_step(case, monkeypatch):
                                                msg=lambda m: f"{case} {t} {name}: {m}")
                 else:  # what the window step keeps (ranked by scores the kernel hands on) stays bit for bit
                     assert torch.equal(tensor, want_state[name]), f"{case} {t}: {name}"
-    assert calls["kernel"] > 0
 
 
 def test_padding_leaves_the_state_as_it_was():

@@ -6,12 +6,11 @@ import shutil
 import pytest
 import torch
 
-import aaren_hf.modeling_aaren as modeling
 from aaren_hf.kernels import cbuild
 from aaren_hf.kernels import window as window_kernel
 from aaren_hf.kernels.aaren import step as aaren_kernel
 from aaren_hf.modeling_aaren import AarenLayerState
-from helpers import MIXER_CASES, tiny_model
+from helpers import MIXER_CASES, kernel_beside_reference, tiny_model
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                 reason="no C compiler: the mixer runs the PyTorch step (tested in test_model.py)")
@@ -43,29 +42,13 @@ def test_kernel_step_equals_pytorch_step(case, kv_cache_dtype, monkeypatch):
         for layer in model.model.layers:
             if hasattr(layer.mixer, "retention_proj"):
                 layer.mixer.retention_proj.weight[0] = 0.0
-    calls = {"kernel": 0}
-    kernel = modeling.window_step_cpu
-
-    def counted(*args, **kw):
-        out = kernel(*args, **kw)
-        calls["kernel"] += out is not None
-        return out
-
     B, T = 2, 40
     x = torch.randn(B, T, model.config.hidden_size, generator=torch.Generator().manual_seed(5)) * 2
     mask = torch.ones(B, T, dtype=torch.bool)
     pos = torch.arange(T).expand(B, T)
-    for layer in model.model.layers:
-        mixer = layer.mixer
-        if mixer.window <= 1:
-            continue
-        with_kernel, reference = AarenLayerState(), AarenLayerState()
-        for t in [slice(0, 3)] + [slice(i, i + 1) for i in range(3, T)]:
-            with torch.no_grad():
-                monkeypatch.setattr(modeling, "window_step_cpu", counted)
-                got = mixer(x[:, t], mask[:, t], pos[:, t], with_kernel)
-                monkeypatch.setattr(modeling, "window_step_cpu", None)
-                want = mixer(x[:, t], mask[:, t], pos[:, t], reference)
+    for mixer in [layer.mixer for layer in model.model.layers if layer.mixer.window > 1]:
+        for t, got, want, with_kernel, reference in kernel_beside_reference(mixer, x, mask, pos, monkeypatch,
+                                                                             "window_step_cpu"):
             # float32 sums in another order: to 1e-5 of the largest output (a wrong key or weight moves it by far more)
             torch.testing.assert_close(got, want, atol=1e-5 * float(want.abs().max()), rtol=1e-5,
                                        msg=lambda m: f"{case} {t}: {m}")
@@ -77,50 +60,36 @@ def test_kernel_step_equals_pytorch_step(case, kv_cache_dtype, monkeypatch):
         if mixer.memory_size:  # the memory did fill, and trade entries
             assert bool((with_kernel.memory_pos >= 0).all())
             assert int(with_kernel.memory_pos.max()) > mixer.num_sinks + mixer.window + mixer.memory_size
-    assert calls["kernel"] > 0
+
+
+def declines(model, at: int) -> bool:
+    """Whether the kernel returns None for a token at position ``at`` after a 6-token prompt (and if so, that it
+    left the state's values as they were)."""
+    mixer, state = model.model.layers[0].mixer, AarenLayerState()
+    x = torch.randn(1, 7, model.config.hidden_size)
+    with torch.no_grad():
+        mixer(x[:, :6], torch.ones(1, 6, dtype=torch.bool), torch.arange(6).view(1, 6), state)
+        q, k, v = mixer.project(x[:, 6:])
+        before = {n: t.clone() for n, t in state.tensors().items()}
+        pos = torch.tensor([[at]])
+        out = window_kernel.window_step_cpu(q, k, v, pos, *mixer.step_angles(pos, None), state, torch.zeros(1, 1, 1),
+                                            sinks=mixer.num_sinks, memory_size=mixer.memory_size, bits=None,
+                                            rotate=False, scale=mixer.scale)
+    if out is None:
+        assert all(torch.equal(t, before[n]) for n, t in state.tensors().items())
+    return out is None
 
 
 def test_off_switch_and_unsupported_inputs_take_the_reference(monkeypatch):
-    """AAREN_BACKEND=torch turns the kernel off; a float16 cache is not the kernel's: it returns None and touches
-    nothing."""
-    model = tiny_model(window_size=3, num_sink_tokens=1, memory_size=2, kv_cache_dtype="float16")
-    mixer = model.model.layers[0].mixer
-    state = AarenLayerState()
-    x = torch.randn(1, 8, model.config.hidden_size)
-    mask, pos = torch.ones(1, 8, dtype=torch.bool), torch.arange(8).view(1, 8)
-    with torch.no_grad():
-        mixer(x[:, :6], mask[:, :6], pos[:, :6], state)
-        q, k, v = mixer.project(x[:, 6:7])
-        before = {n: t.clone() for n, t in state.tensors().items()}
-        angles = mixer.step_angles(pos[:, 6:7], None)
-        assert window_kernel.window_step_cpu(q, k, v, pos[:, 6:7], *angles, state, torch.zeros(1, 1, 1), sinks=1,
-                                             memory_size=2, bits=None, rotate=False, scale=mixer.scale) is None
-    assert all(torch.equal(t, before[n]) for n, t in state.tensors().items())
-    # a padding token (position -1) or one that still sees the sinks in its window: the reference's (rare) cases
-    model = tiny_model(window_size=3, num_sink_tokens=1, memory_size=2)
-    mixer, state = model.model.layers[0].mixer, AarenLayerState()
-    with torch.no_grad():
-        mixer(x[:, :6], mask[:, :6], pos[:, :6], state)
-        q, k, v = mixer.project(x[:, 6:7])
-        before = {n: t.clone() for n, t in state.tensors().items()}
-        for p in (-1, 2):
-            at = torch.tensor([[p]])
-            assert window_kernel.window_step_cpu(q, k, v, at, *mixer.step_angles(at, None), state,
-                                                 torch.zeros(1, 1, 1), sinks=1, memory_size=2, bits=None,
-                                                 rotate=False, scale=mixer.scale) is None
-    assert all(torch.equal(t, before[n]) for n, t in state.tensors().items())
-    # a head larger than step.c takes (MAX_D = 256): the kernel declines, the state keeps its values
-    wide = tiny_model(hidden_size=512, num_attention_heads=1, window_size=3, num_sink_tokens=1, memory_size=2)
-    mixer, state = wide.model.layers[0].mixer, AarenLayerState()
-    x = torch.randn(1, 8, 512)
-    with torch.no_grad():
-        mixer(x[:, :6], mask[:, :6], pos[:, :6], state)
-        q, k, v = mixer.project(x[:, 6:7])
-        before = {n: t.clone() for n, t in state.tensors().items()}
-        angles = mixer.step_angles(pos[:, 6:7], None)
-        assert window_kernel.window_step_cpu(q, k, v, pos[:, 6:7], *angles, state, torch.zeros(1, 1, 1), sinks=1,
-                                             memory_size=2, bits=None, rotate=False, scale=mixer.scale) is None
-    assert all(torch.equal(t, before[n]) for n, t in state.tensors().items())
+    """The kernel returns None and touches nothing for: a float16 cache; a padding token (position -1) or one that
+    still sees the sinks in its window (the reference's rare cases); a head larger than step.c takes (MAX_D = 256).
+    AAREN_BACKEND=torch turns it off."""
+    memory = dict(window_size=3, num_sink_tokens=1, memory_size=2)
+    assert declines(tiny_model(**memory, kv_cache_dtype="float16"), at=6)
+    plain = tiny_model(**memory)
+    assert not declines(plain, at=6)  # what the cases below differ from
+    assert declines(plain, at=-1) and declines(plain, at=2)
+    assert declines(tiny_model(hidden_size=512, num_attention_heads=1, **memory), at=6)
     monkeypatch.setenv("AAREN_BACKEND", "torch")
     assert window_kernel.library() is None
 
