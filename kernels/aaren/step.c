@@ -47,7 +47,7 @@ int aaren_branch_step(int B, int H, int Hkv, int D, int J, int decay, float scal
                       float *o_new, float *lse_new, float *s, float *out) {
     if (J > MAX_J) return 1;
     const int HJ = H * J, GJ = HJ / Hkv;
-    const float log2 = (float)M_LN2;
+    const float ln2 = 0.6931471805599453f; /* math.log(2.0), as the reference divides by it */
     for (int b = 0; b < B; b++) {
         const int real = keep == 0 || keep[b];
         for (int hj = 0; hj < HJ; hj++) {
@@ -58,7 +58,7 @@ int aaren_branch_step(int B, int H, int Hkv, int D, int J, int decay, float scal
             float l = lse_in[row];
             if (decay && real) {
                 float g = -expf(log_decay[hj]);
-                if (decay == 2) g = g * softplus(decay_in[row]) / log2;
+                if (decay == 2) g = g * softplus(decay_in[row]) / ln2;
                 l = l + g;
             }
             const float m = fmaxf(l, sc);
