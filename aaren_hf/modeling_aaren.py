@@ -806,20 +806,26 @@ class AarenMixer(nn.Module):
             self.scale, memory,
         )
         if state is not None:
-            # the next token sees itself plus the W - 1 entries before it
-            first = max(0, k_prev.shape[1] + T - (self.window - 1))
-            state.window_k = torch.cat([k_prev, k.to(k_prev.dtype)], 1)[:, first:].detach()
-            state.window_v = torch.cat([v_prev, v.to(v_prev.dtype)], 1)[:, first:].detach()
-            state.window_pos = torch.cat([pos_prev, pos], 1)[:, first:]
+            # The next token sees itself plus the W - 1 entries before it. Fewer than W - 1 so far: empty entries
+            # (position -1, like left padding: never seen, never entering the memory) fill the front, so the state
+            # has its full size from the first call and every later token takes the one-token step.
+            held = k_prev.shape[1] + T
+            first, short = max(0, held - (self.window - 1)), max(0, self.window - 1 - held)
+            win_k = torch.cat([k_prev, k.to(k_prev.dtype)], 1)[:, first:].detach()
+            win_v = torch.cat([v_prev, v.to(v_prev.dtype)], 1)[:, first:].detach()
+            state.window_k, state.window_v = (F.pad(x, (0, 0, 0, 0, short, 0)) for x in (win_k, win_v))
+            state.window_pos = F.pad(torch.cat([pos_prev, pos], 1)[:, first:], (short, 0), value=-1)
             state.sink_k, state.sink_v, state.sink_pos = sink_k.detach(), sink_v.detach(), sink_pos
             if memory is not None:
-                state.window_score = candidates["stream_score"][:, first:]
+                state.window_score = F.pad(candidates["stream_score"][:, first:], (0, 0, short, 0),
+                                           value=float("-inf"))
                 self.keep_memory(state, candidates, stored)
         return out
 
     def steps_one_token(self, state, T):
-        """Whether :meth:`window_step` serves this call: one token, no gradient (inference), and a carried window
-        already holding its W - 1 entries (it is shorter only for the first W - 1 tokens, padding included)."""
+        """Whether :meth:`window_step` serves this call: one token, no gradient (inference), and a carried window of
+        W - 1 entries (the general path leaves it so from its first call on; a state from before that rule may be
+        shorter)."""
         return (T == 1 and self.window > 1 and state is not None and state.window_k is not None
                 and state.window_k.shape[1] == self.window - 1 and not torch.is_grad_enabled())
 

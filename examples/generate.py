@@ -156,13 +156,8 @@ def run(args, threads):
     print(f"\n{len(prompts)} prompt(s), {prompt_len} prompt tokens (padded), {produced} new tokens in {elapsed:.2f} s "
           f"({produced / max(elapsed, 1e-9):.1f} tokens/s)")
     if state is not None:
-        positions = cache.get_seq_length()
-        window = max(getattr(model.config, "window_size", 0) or 0, getattr(model.config, "sliding_window", 0) or 0)
-        # the window holds the last window - 1 entries besides the token being read
-        bound = ("fixed size, does not grow with the context" if positions >= window - 1 else
-                 f"grows until the {window}-token window has filled, then stays fixed whatever the context")
-        print(f"state bytes: {state} ({state / max(len(prompts), 1) / 1024:.1f} KiB per sequence after {positions} "
-              f"positions; {bound})")
+        print(f"state bytes: {state} ({state / max(len(prompts), 1) / 1024:.1f} KiB per sequence after "
+              f"{cache.get_seq_length()} positions; fixed size from the first token on, whatever the context)")
     return out
 
 
