@@ -52,8 +52,8 @@ class AarenLayerState:
     else the model dtype, like a KV cache.
 
     Tensors are None until the first forward fills them, so a cache made before the batch is known (as
-    ``generate`` does) needs no sizes. The one-token decode step writes an entry into the memory tensors in place;
-    every other update replaces tensors (:meth:`copy` a state to keep it).
+    ``generate`` does) needs no sizes. The one-token decode step writes an entry into the memory tensors, and on a
+    CPU one into the sinks, in place; every other update replaces tensors (:meth:`copy` a state to keep it).
     """
 
     is_compileable = False
@@ -87,11 +87,11 @@ class AarenLayerState:
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
     def copy(self):
-        """A state to continue from that leaves this one as it is: the memory tensors, which the decode step writes
-        in place, cloned; the others shared (every update replaces them)."""
+        """A state to continue from that leaves this one as it is: the memory and sink tensors, which the decode
+        step writes in place, cloned; the others shared (every update replaces them)."""
         new = copy.copy(self)
         for name, tensor in self.tensors().items():
-            if name.startswith("memory_"):
+            if name.startswith(("memory_", "sink_")):
                 setattr(new, name, tensor.clone())
         return new
 
@@ -842,7 +842,7 @@ class AarenMixer(nn.Module):
             codes = self.memory_codes
             out = window_step_cpu(q, k, v, pos, (cos, sin), sink_angles, state, retention, sinks=S, memory_size=M,
                                   bits=codes and codes.bits, rotate=bool(codes and codes.rotate), scale=self.scale)
-            if out is not None:  # the same state and output in one call (CPU, float32, no early or padding token)
+            if out is not None:  # the same state and output in one call (CPU, float32)
                 return out.to(q.dtype)
         p = pos[:, 0]
         stored = state.window_k.dtype

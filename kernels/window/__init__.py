@@ -41,11 +41,11 @@ def _writable(state, name):
 
 
 def window_step_cpu(q, k, v, pos, at_token, sink_turn, state, retention, *, sinks, memory_size, bits, rotate, scale):
-    """``AarenMixer.window_step`` for a batch whose tokens are all past position S + W - 2 (no padding, no sink
-    still to fill): q [B, 1, H, D], k and v [B, 1, Hkv, D] float32 before rotary; ``at_token`` and ``sink_turn``:
-    the (cos, sin) of ``AarenMixer.step_angles``; the state is updated (window shifted, memory offered) and the
-    output [B, 1, H, D] float32 returned. None (nothing touched) where this kernel does not apply: a padding or
-    early token, not a CPU float32 step, a float16 cache, head size or query group too large, no compiler."""
+    """``AarenMixer.window_step``: q [B, 1, H, D], k and v [B, 1, Hkv, D] float32 before rotary; ``at_token`` and
+    ``sink_turn``: the (cos, sin) of ``AarenMixer.step_angles``; the state is updated (window shifted, memory
+    offered, a sink slot filled by a token among the first S, those three in place) and the output [B, 1, H, D]
+    float32 returned (0 for a padding token). None (nothing touched) where this kernel does not apply: not a CPU
+    float32 step, a float16 cache, head size or query group too large, no compiler."""
     B, _, H, D = q.shape
     Hkv = k.shape[2]
     stored = state.window_k.dtype
@@ -75,13 +75,14 @@ def window_step_cpu(q, k, v, pos, at_token, sink_turn, state, retention, *, sink
         win_score = _dense(state.window_score)
         new_score = torch.empty_like(win_score)
         ret = _dense(retention)  # [B, 1, Hkv] float32
-    tensors = (q, k, v, pos, cos_t, sin_t, cos_s, sin_s, win_k, win_v, _dense(state.window_pos), win_score,
-               _dense(state.sink_k), _dense(state.sink_v), _dense(state.sink_pos), *memory, ret,
+    sinks_ = [_writable(state, n) for n in ("sink_k", "sink_v", "sink_pos")]  # a token among the first S fills one
+    tensors = (q, k, v, pos, cos_t, sin_t, cos_s, sin_s, win_k, win_v, _dense(state.window_pos), win_score, *sinks_,
+               *memory, ret,
                out, new_k, new_v, new_pos, new_score)
     rc = lib.aaren_window_step(B, H, Hkv, D, rot, W, sinks, M, int(stored == torch.bfloat16), bits or 0,
                                int(bool(rotate)), float(scale),
                                *(t.data_ptr() if isinstance(t, torch.Tensor) else None for t in tensors))
-    if rc == 1:  # not step.c's (a padding or early token, a head or query group beyond MAX_D / MAX_G): untouched
+    if rc == 1:  # a shape step.c does not take (head or query group beyond MAX_D / MAX_G): it wrote nothing
         return None
     if rc != 0:
         raise RuntimeError(f"aaren_window_step failed ({rc}) for B={B} H={H} Hkv={Hkv} D={D} W={W} M={M}")

@@ -1,8 +1,8 @@
 /* Copyright 2026 The aaren-hf authors. Apache-2.0.
  *
  * The one-token decode step of the window branch on a CPU, in one call: what AarenMixer.window_step (the PyTorch
- * reference, aaren_hf/modeling_aaren.py) does in about 170 small operators per layer, for a token past the first
- * S + W - 1 positions in a batch without padding (otherwise it returns 1 at once and the reference runs).
+ * reference, aaren_hf/modeling_aaren.py) does in about 170 small operators per layer, for any token: one among
+ * the first S positions also fills its sink slot (in place), a padding token (position -1) gets output 0.
  *
  *   1. the token's query and key rotated at its position; its key and value stored as the window stores them;
  *   2. one softmax over the window (W - 1 entries + the token), the sinks (keys turned by p - (S + W - 1)) and the
@@ -183,14 +183,12 @@ int aaren_window_step(
     const float *q, const float *k, const float *v, const int64_t *pos,              /* [B, H|Hkv, D], [B] */
     const float *cos_t, const float *sin_t, const float *cos_s, const float *sin_s,  /* [B, rot] */
     const void *win_k, const void *win_v, const int64_t *win_pos, const float *win_score, /* W - 1 entries */
-    const void *sink_k, const void *sink_v, const int64_t *sink_pos,
+    void *sink_k, void *sink_v, int64_t *sink_pos, /* a token among the first S is written into its slot */
     void *mem_k, void *mem_v, uint16_t *mem_k_scale, uint16_t *mem_v_scale, int64_t *mem_pos, float *mem_score,
     const float *retention,                                                           /* [B, Hkv] */
     float *out, void *new_win_k, void *new_win_v, int64_t *new_win_pos, float *new_win_score) {
     int G = H / Hkv;
     if (D > MAX_D || G > MAX_G || (rotate && (D & (D - 1)))) return 1; /* not this kernel's: the caller falls back */
-    for (int b = 0; b < B; b++) /* a padding token, or one that fills a sink or still sees the sinks in its window */
-        if (pos[b] < 0 || (S > 0 && pos[b] < S + W - 1)) return 1;
     int Wp = W - 1, N = W + S + M;
     int64_t code_width = bits == 4 ? D / 2 : D; /* per memory entry, in elements of its array */
     float qr[MAX_G][MAX_D], qs[MAX_G][MAX_D], acc[MAX_G][MAX_D], accm[MAX_G][MAX_D];
@@ -208,6 +206,16 @@ int aaren_window_step(
             for (int d = 0; d < D; d++) {
                 knew[d] = bf16 ? bf16_to_float(float_to_bf16(x[d])) : x[d];
                 vnew[d] = bf16 ? bf16_to_float(float_to_bf16(v[row * D + d])) : v[row * D + d];
+            }
+            if (p >= 0 && p < S) { /* the token fills sink slot p (it is also the window's newest entry) */
+                for (int d = 0; d < D; d++) {
+                    store(sink_k, bf16, (((int64_t)b * S + p) * Hkv + h) * D + d, knew[d]);
+                    store(sink_v, bf16, (((int64_t)b * S + p) * Hkv + h) * D + d, vnew[d]);
+                }
+            }
+            if (p < 0) { /* a padding token sees nothing: output 0; it still enters the window (position -1) */
+                memset(out + ((int64_t)b * H + h * G) * D, 0, sizeof(float) * G * D);
+                goto leave;
             }
             for (int g = 0; g < G; g++) {
                 rotary(q + ((int64_t)b * H + h * G + g) * D, ct, st, rot, D, qr[g]);
@@ -227,6 +235,7 @@ int aaren_window_step(
             }
             for (int i = 0; i < S; i++, n++) {
                 int64_t sp = sink_pos[(int64_t)b * S + i];
+                if (sp > p - W) sp = -1; /* still inside the window: seen there, not as a sink */
                 load_row(x, sink_k, bf16, (((int64_t)b * S + i) * Hkv + h) * D, D);
                 rotary(x, cs, ss, rot, D, key);
                 for (int g = 0; g < G; g++) scores[g * N + n] = sp >= 0 ? dot(qr[g], key, D) * scale : -INFINITY;
@@ -278,6 +287,7 @@ int aaren_window_step(
                 for (int d = 0; d < D; d++) o[d] = acc[g][d] + accm[g][d];
             }
 
+        leave:
             /* the oldest window entry leaves: into the weakest memory slot if it ranks (offer_to_memory's rule) */
             if (M > 0) {
                 float s0 = win_score[((int64_t)b * Wp) * Hkv + h];
@@ -322,6 +332,7 @@ int aaren_window_step(
                 memcpy(new_win_score + (int64_t)b * Wp * Hkv, win_score + ((int64_t)b * Wp + 1) * Hkv,
                        sizeof(float) * (Wp - 1) * Hkv);
         }
+        if (p >= 0 && p < S) sink_pos[(int64_t)b * S + p] = p;
         for (int j = 0; j + 1 < Wp; j++) new_win_pos[(int64_t)b * Wp + j] = win_pos[(int64_t)b * Wp + j + 1];
         new_win_pos[(int64_t)b * Wp + Wp - 1] = p;
     }
