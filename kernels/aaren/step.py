@@ -37,7 +37,8 @@ def aaren_step_cpu(q, k, v, mask, queries, log_decay, decay_in, state, *, decay:
     old ones may be shared, as ``AarenAttention`` shares its caller's); None, touching nothing, where it does not
     apply: not CPU float32, or more slots than step.c takes."""
     tensors = (q, k, v, queries, log_decay, decay_in, state.aaren_o, state.aaren_lse)
-    if any(t is not None and (t.device.type != "cpu" or t.dtype != torch.float32) for t in tensors):
+    if mask.dtype != torch.bool or any(t is not None and (t.device.type != "cpu" or t.dtype != torch.float32)
+                                       for t in tensors):
         return None
     lib = library()
     if lib is None:
