@@ -49,16 +49,8 @@ def test_kernel_step_equals_pytorch_step(case, kv_cache_dtype, monkeypatch):
     mask[1, :6] = False  # left padding: row 1's first decode steps are padding, then tokens that fill the sinks
     pos = (mask.long().cumsum(1) - 1).masked_fill(~mask, -1)
     for mixer in [layer.mixer for layer in model.model.layers if layer.mixer.window > 1]:
-        for t, got, want, with_kernel, reference in kernel_beside_reference(mixer, x, mask, pos, monkeypatch,
-                                                                             "window_step_cpu"):
-            # float32 sums in another order: to 1e-5 of the largest output (a wrong key or weight moves it by far more)
-            torch.testing.assert_close(got, want, atol=1e-5 * float(want.abs().max()), rtol=1e-5,
-                                       msg=lambda m: f"{case} {t}: {m}")
-            want_state, got_state = reference.tensors(), with_kernel.tensors()
-            assert got_state.keys() == want_state.keys()
-            for name, tensor in got_state.items():
-                assert tensor.dtype == want_state[name].dtype, name
-                assert torch.equal(tensor, want_state[name]), f"{case} layer {mixer.layer_idx} {t}: {name}"
+        # outputs to float32 rounding, every state tensor bit for bit
+        with_kernel = kernel_beside_reference(mixer, x, mask, pos, monkeypatch, "window_step_cpu")
         if mixer.memory_size:  # the memory did fill, and trade entries
             assert bool((with_kernel.memory_pos >= 0).all())
             assert int(with_kernel.memory_pos.max()) > mixer.num_sinks + mixer.window + mixer.memory_size
