@@ -823,11 +823,10 @@ class AarenMixer(nn.Module):
         return out
 
     def steps_one_token(self, state, T):
-        """Whether :meth:`window_step` serves this call: one token, no gradient (inference), and a carried window of
-        W - 1 entries (the general path leaves it so from its first call on; a state from before that rule may be
-        shorter)."""
+        """Whether :meth:`window_step` serves this call: one token, no gradient (inference), and a carried window
+        (the general path leaves it at W - 1 entries from its first call on)."""
         return (T == 1 and self.window > 1 and state is not None and state.window_k is not None
-                and state.window_k.shape[1] == self.window - 1 and not torch.is_grad_enabled())
+                and not torch.is_grad_enabled())
 
     def window_step(self, q, k, v, pos, state, retention=None, shared: Optional[dict] = None):
         """:meth:`window_branch` for one token once the window is full (decoding), in far fewer ops: one fused

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..cbuild import dense as _dense
-from ..cbuild import load
+from ..cbuild import dense, load
 
 __all__ = ["window_step_cpu", "library"]
 
@@ -57,13 +56,13 @@ def window_step_cpu(q, k, v, pos, at_token, sink_turn, state, retention, *, sink
     lib = library()
     if lib is None:
         return None
-    q, k, v, pos = _dense(q), _dense(k), _dense(v), _dense(pos)
+    q, k, v, pos = dense(q), dense(k), dense(v), dense(pos)
     W = state.window_k.shape[1] + 1
     rot = at_token[0].shape[-1]
     # [B, 1, 1, rot] float32 angles and [B, 1] positions are laid out as [B, rot] and [B]: passed as they are
-    cos_t, sin_t = (_dense(a) for a in at_token)
-    cos_s, sin_s = (cos_t, sin_t) if sink_turn is None else (_dense(a) for a in sink_turn)
-    win_k, win_v = _dense(state.window_k), _dense(state.window_v)
+    cos_t, sin_t = (dense(a) for a in at_token)
+    cos_s, sin_s = (cos_t, sin_t) if sink_turn is None else (dense(a) for a in sink_turn)
+    win_k, win_v = dense(state.window_k), dense(state.window_v)
     new_k, new_v, new_pos = torch.empty_like(win_k), torch.empty_like(win_v), torch.empty_like(state.window_pos)
     out = torch.empty(B, H, D, dtype=torch.float32)
     memory = [0] * 6
@@ -72,13 +71,13 @@ def window_step_cpu(q, k, v, pos, at_token, sink_turn, state, retention, *, sink
         names = ("memory_k", "memory_v", "memory_k_scale", "memory_v_scale") if bits else ("memory_k", "memory_v")
         memory = [_writable(state, n) for n in names] + ([] if bits else [0, 0])
         memory += [_writable(state, "memory_pos"), _writable(state, "memory_score")]
-        win_score = _dense(state.window_score)
+        win_score = dense(state.window_score)
         new_score = torch.empty_like(win_score)
-        ret = _dense(retention)  # [B, 1, Hkv] float32
-    sinks_ = [_writable(state, n) for n in ("sink_k", "sink_v", "sink_pos")]  # a token among the first S fills one
-    tensors = (q, k, v, pos, cos_t, sin_t, cos_s, sin_s, win_k, win_v, _dense(state.window_pos), win_score, *sinks_,
-               *memory, ret,
-               out, new_k, new_v, new_pos, new_score)
+        ret = dense(retention)  # [B, 1, Hkv] float32
+    # a token among the first S fills a sink slot in place
+    sink_state = [_writable(state, n) for n in ("sink_k", "sink_v", "sink_pos")]
+    tensors = (q, k, v, pos, cos_t, sin_t, cos_s, sin_s, win_k, win_v, dense(state.window_pos), win_score,
+               *sink_state, *memory, ret, out, new_k, new_v, new_pos, new_score)
     rc = lib.aaren_window_step(B, H, Hkv, D, rot, W, sinks, M, int(stored == torch.bfloat16), bits or 0,
                                int(bool(rotate)), float(scale),
                                *(t.data_ptr() if isinstance(t, torch.Tensor) else None for t in tensors))
