@@ -32,11 +32,10 @@ from .configuration_aaren import AarenConfig
 try:  # Triton kernels on CUDA and the C decode steps on CPUs, when this package is installed; the PyTorch code in
     # this file serves everywhere else (a checkpoint's own copy of it: nothing else to install)
     from aaren_hf.kernels import chunk_aaren, fused_recurrent_aaren
-    from aaren_hf.kernels.aaren.step import aaren_step_cpu
-    from aaren_hf.kernels.window import window_step_cpu
+    from aaren_hf.kernels.mixer import mixer_step_cpu
 except ImportError:
     chunk_aaren, fused_recurrent_aaren = chunk_aaren_torch, recurrent_aaren_torch
-    aaren_step_cpu = window_step_cpu = None
+    mixer_step_cpu = None
 
 
 # Prompts longer than this go through the model in pieces of this many tokens when a cache is kept (prefill).
@@ -655,6 +654,12 @@ class AarenMixer(nn.Module):
         B, T, _ = x.shape
         H, D = self.num_heads, self.head_dim
         q, k, v = self.project(x)
+        if mixer_step_cpu is not None and self.steps_one_token(state, T) and not x.is_cuda:
+            # with the aaren_hf package: the rest of this method for a decode token in one C call (kernels/mixer),
+            # the same state and output to float rounding; the code below is its reference
+            o = self.step_in_c(x, q, k, v, mask, pos, state, shared)
+            if o is not None:
+                return self.o_proj(o.to(x.dtype).reshape(B, T, H * D))
 
         s = None
         if self.aaren_branch:
@@ -698,14 +703,6 @@ class AarenMixer(nn.Module):
         if state is not None and state.aaren_o is not None:
             carried = (state.aaren_o, state.aaren_lse)
         decoding_on_cpu = not v.is_cuda and T == 1 and carried is not None and not torch.is_grad_enabled()
-        if decoding_on_cpu and aaren_step_cpu is not None:
-            # with the aaren_hf package: all of the CPU step below in one C call (kernels/aaren/step.c), the same
-            # state and output to float rounding
-            got = aaren_step_cpu(q, k, v, mask, self.queries, getattr(self, "log_decay", None),
-                                 self.decay_proj(x) if self.decay == "input" else None, state, decay=self.decay,
-                                 scale=self.scale)
-            if got is not None:
-                return got
         s = self.slot_scores(k).masked_fill(~mask.unsqueeze(-1), float("-inf"))
         g = None
         if self.decay != "none":
@@ -823,26 +820,48 @@ class AarenMixer(nn.Module):
         return out
 
     def steps_one_token(self, state, T):
-        """Whether :meth:`window_step` serves this call: one token, no gradient (inference), and a carried window
-        (the general path leaves it at W - 1 entries from its first call on)."""
-        return (T == 1 and self.window > 1 and state is not None and state.window_k is not None
-                and not torch.is_grad_enabled())
+        """Whether this call is a decode step: one token, no gradient (inference), and a carried state (the general
+        path leaves the window at W - 1 entries from its first call on); then :meth:`window_step` serves the window
+        branch and :meth:`step_in_c` may serve the whole call."""
+        return (T == 1 and state is not None and not torch.is_grad_enabled()
+                and (not self.aaren_branch or state.aaren_o is not None)
+                and (self.window == 0 or (self.window > 1 and state.window_k is not None)))
+
+    def step_in_c(self, x, q, k, v, mask, pos, state, shared):
+        """:meth:`forward`'s decode step between the projections and ``o_proj`` as one C call (``mixer_step_cpu``),
+        or None where the kernel does not apply."""
+        L, M = self.memory_shared_layer, self.memory_size
+        share, shared_retention = 0, None
+        if M > 0 and L is not None and shared is not None and self.layer_idx >= L:
+            if self.layer_idx == L:
+                share, shared_retention = 1, x.new_empty(x.shape[0], 1, 1, dtype=torch.float32)
+            else:
+                share, shared_retention = 2, shared["retention"]
+        angles, sink_turn = self.step_angles(pos, shared) if self.window > 0 else (None, None)
+        gate = None
+        if self.aaren_branch and self.window > 0:
+            gate = self.window_gate if hasattr(self, "window_gate") else self.gate_proj(x)
+        codes = self.memory_codes
+        out = mixer_step_cpu(
+            q, k, v, pos, mask, state, queries=self.queries if self.aaren_branch else None,
+            log_decay=getattr(self, "log_decay", None), decay_in=self.decay_proj(x) if self.decay == "input" else None,
+            decay=self.decay, angles=angles, sink_turn=sink_turn, window=self.window, sinks=self.num_sinks,
+            memory_size=M, bits=codes and codes.bits, rotate=bool(codes and codes.rotate),
+            retention=self.retention_proj(x) if M > 0 and self.memory_rule == "learned" else None,
+            rule=self.memory_rule, share=share, shared_retention=shared_retention, gate=gate, scale=self.scale)
+        if out is not None and share == 1:
+            shared["retention"] = shared_retention
+        return out
 
     def window_step(self, q, k, v, pos, state, retention=None, shared: Optional[dict] = None):
         """:meth:`window_branch` for one token once the window is full (decoding), in far fewer ops: one fused
         attention over [window, token, sinks, memory], the window shifted by one, and the entry leaving it offered to
         the memory. Same outputs (to float rounding) and the same state as the general path, which the tests check
-        against this one. On a CPU with the aaren_hf package installed, ``window_step_cpu`` (kernels/window) does
-        all of it in one C call, with this method as its reference."""
+        against this one. On a CPU with the aaren_hf package installed, ``kernels/window/step.c`` does all of it
+        inside :meth:`step_in_c`'s one call, with this method as its reference."""
         B, _, Hkv, D = k.shape
         H, W, S, M = self.num_heads, self.window, self.num_sinks, self.memory_size
         (cos, sin), sink_angles = self.step_angles(pos, shared)
-        if window_step_cpu is not None:
-            codes = self.memory_codes
-            out = window_step_cpu(q, k, v, pos, (cos, sin), sink_angles, state, retention, sinks=S, memory_size=M,
-                                  bits=codes and codes.bits, rotate=bool(codes and codes.rotate), scale=self.scale)
-            if out is not None:  # the same state and output in one call (CPU, float32)
-                return out.to(q.dtype)
         p = pos[:, 0]
         stored = state.window_k.dtype
         # Rare cases, checked on the host (the general path syncs too): a padding token, or one so early (after left

@@ -7,9 +7,10 @@
 Backend: Triton for CUDA tensors (and for CPU tensors when TRITON_INTERPRET=1, which runs the kernels in Triton's
 interpreter), PyTorch otherwise. AAREN_BACKEND=triton|torch|naive overrides. Triton is optional.
 
-The one-token decode step on a CPU is two C calls per layer, compiled on first use (``cbuild.py``):
-``aaren/step.c`` for the Aaren branch (slot scores, mix, decay and the scan's step; its reference is the PyTorch step
-in ``AarenMixer.aaren_output``) and ``window/step.c`` for the window branch (reference: ``AarenMixer.window_step``).
+The one-token decode step on a CPU is one C call per layer (``mixer/``; reference: ``AarenMixer.forward``'s PyTorch
+decode path), compiled on first use (``cbuild.py``) from ``aaren/step.c`` (the Aaren branch: slot scores, mix, decay
+and the scan's step; reference: the PyTorch step in ``AarenMixer.aaren_output``), ``window/step.c`` (the window
+branch; reference: ``AarenMixer.window_step``) and ``mixer/step.c`` (the retention score and the gate between them).
 """
 
 import functools

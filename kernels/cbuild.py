@@ -1,7 +1,8 @@
-"""The CPU decode steps' C sources (``aaren/step.c``, ``window/step.c``), compiled on first use and loaded with ctypes.
+"""The CPU decode step's C sources (``aaren/step.c``, ``window/step.c``, ``mixer/step.c``), compiled on first use into
+one library and loaded with ctypes.
 
-Each is compiled with the machine's C compiler (``$CC``, else ``cc``/``gcc``) into ``$AAREN_HF_CACHE/kernels``
-(default ``~/.cache/aaren_hf/kernels``), keyed by the source, the flags and the CPU: no build step at install, no
+They are compiled with the machine's C compiler (``$CC``, else ``cc``/``gcc``) into ``$AAREN_HF_CACHE/kernels``
+(default ``~/.cache/aaren_hf/kernels``), keyed by the sources, the flags and the CPU: no build step at install, no
 Python headers. ``AAREN_BACKEND=torch`` (or ``naive``) turns them off; without a compiler, or where it fails, a
 warning says so once and the mixer runs its PyTorch step (each kernel's reference).
 """
@@ -22,7 +23,7 @@ from pathlib import Path
 FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"]
 NATIVE = ["-march=native"]
 
-_loaded: dict = {}  # source -> library, or None once it could not be built
+_loaded: dict = {}  # name -> library, or None once it could not be built
 _said_no_compiler = False
 
 
@@ -48,27 +49,29 @@ def _cache_dir() -> Path:
     return (Path(root).expanduser() if root else Path.home() / ".cache" / "aaren_hf") / "kernels"
 
 
-def _compile(cc: str, flags: list, source: Path, target: Path) -> None:
+def _compile(cc: str, flags: list, sources: tuple, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        subprocess.run([cc, *flags, str(source), "-o", tmp, "-lm"], check=True, capture_output=True, timeout=120)
+        subprocess.run([cc, *flags, *map(str, sources), "-o", tmp, "-lm"], check=True, capture_output=True,
+                       timeout=120)
         os.replace(tmp, target)  # atomic: another process never loads half a file
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
 
 
-def load(source: Path, signatures: dict, instead: str):
-    """``source`` compiled (once per machine) and loaded, its functions typed by ``signatures`` ({name: (restype,
-    argtypes)}); None when disabled or when it cannot be built (then, once, a warning that ``instead`` runs)."""
+def load(name: str, sources: tuple, signatures: dict, instead: str):
+    """``sources`` compiled (once per machine) into library ``name`` and loaded, its functions typed by ``signatures``
+    ({function: (restype, argtypes)}); None when disabled or when it cannot be built (then, once, a warning that
+    ``instead`` runs)."""
     if disabled():
         return None
-    if source in _loaded:
-        return _loaded[source]
-    _loaded[source] = None
-    where = f"kernels/{source.parent.name}/{source.name}"
+    if name in _loaded:
+        return _loaded[name]
+    _loaded[name] = None
+    where = " + ".join(f"kernels/{source.parent.name}/{source.name}" for source in sources)
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         global _said_no_compiler
@@ -79,19 +82,20 @@ def load(source: Path, signatures: dict, instead: str):
         return None
     errors = []
     for flags in (FLAGS + NATIVE, FLAGS):
-        key = hashlib.sha256(source.read_bytes() + " ".join([cc, *flags]).encode() + _cpu_key().encode())
-        target = _cache_dir() / f"{source.parent.name}_{source.stem}-{key.hexdigest()[:16]}.so"
+        key = hashlib.sha256(b"".join(source.read_bytes() for source in sources)
+                             + " ".join([cc, *flags]).encode() + _cpu_key().encode())
+        target = _cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
         try:
             if not target.exists():
-                _compile(cc, flags, source, target)
+                _compile(cc, flags, sources, target)
             lib = ctypes.CDLL(str(target))
         except (OSError, subprocess.SubprocessError) as error:
             stderr = getattr(error, "stderr", b"") or b""
             errors.append(f"{' '.join(flags)}: {error} {stderr.decode(errors='replace')[-500:]}")
             continue
-        for name, (restype, argtypes) in signatures.items():
-            getattr(lib, name).restype, getattr(lib, name).argtypes = restype, argtypes
-        _loaded[source] = lib
+        for function, (restype, argtypes) in signatures.items():
+            getattr(lib, function).restype, getattr(lib, function).argtypes = restype, argtypes
+        _loaded[name] = lib
         return lib
     warnings.warn(f"aaren_hf: could not build {where} with {cc} ({'; '.join(errors)}): decoding on the CPU runs "
                   f"{instead}", stacklevel=3)

@@ -58,8 +58,9 @@ EOF
     GEMMA3=(--gemma3)
 fi
 
-# The CPU decode steps (kernels/aaren/step.c, kernels/window/step.c) are compiled on first use with the machine's C
-# compiler; without one decoding runs the PyTorch steps, about half as fast. Said here rather than installed: a compiler is a system package.
+# The CPU decode step (kernels/aaren/step.c, kernels/window/step.c, kernels/mixer/step.c) is compiled on first use
+# with the machine's C compiler; without one decoding runs the PyTorch steps, about half as fast. Said here rather
+# than installed: a compiler is a system package.
 if [ -z "${CC:-}" ] && ! command -v cc >/dev/null 2>&1 && ! command -v gcc >/dev/null 2>&1; then
     log "no C compiler found: decoding on a CPU will run the slower PyTorch step (apt-get install gcc, or set CC)"
 fi

@@ -33,9 +33,15 @@ ATOL = 1e-4
 @pytest.mark.parametrize("case", list(MIXER_CASES))
 def test_parallel_equals_incremental(case, monkeypatch):
     ids = random_ids(2, 15, seed=1)  # odd length; longer than every window in MIXER_CASES
-    steps = []  # single tokens after the first call take the decode step (window_step)
-    window_step = AarenMixer.window_step
-    monkeypatch.setattr(AarenMixer, "window_step", lambda *args: steps.append(1) or window_step(*args))
+    steps = []  # single tokens after the first call take the decode step (window_step, or the C step doing its work)
+    steps_one_token = AarenMixer.steps_one_token
+
+    def counted(mixer, state, T):
+        took = steps_one_token(mixer, state, T)
+        steps.extend([1] if took and mixer.window > 0 else [])
+        return took
+
+    monkeypatch.setattr(AarenMixer, "steps_one_token", counted)
     reference = None
     # A 16-bit cache rounds each key: a last-bit difference between the two paths (their sums run in other orders)
     # flips that rounding now and then, which moves the logits by up to about 4e-4 here; a float32 cache, 4e-6.
@@ -96,9 +102,9 @@ def test_decode_step_equals_general_path(case, kv_cache_dtype, monkeypatch):
 
     monkeypatch.setattr(AarenMixer, "window_step", counted("window", AarenMixer.window_step))
     monkeypatch.setattr(modeling, "aaren_step", counted("aaren", modeling.aaren_step))
-    # the PyTorch Aaren step, whose state is the general path's bit for bit (its C twin's is to float rounding:
-    # test_aaren_step_kernel.py)
-    monkeypatch.setattr(modeling, "aaren_step_cpu", None)
+    # the PyTorch steps, whose Aaren state is the general path's bit for bit (the C step's is to float rounding:
+    # test_mixer_step_kernel.py)
+    monkeypatch.setattr(modeling, "mixer_step_cpu", None)
     B, T, prompt = 3, 19, 2
     x = torch.randn(B, T, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
     mask = torch.ones(B, T, dtype=torch.bool)

@@ -1,0 +1,106 @@
+/* Copyright 2026 The aaren-hf authors. Apache-2.0.
+ *
+ * A mixer layer's one-token decode step on a CPU, in one call: what AarenMixer.forward does for a decode token
+ * between its projections and o_proj (aaren_hf/modeling_aaren.py), for float32 tensors:
+ *
+ *   1. the Aaren branch (aaren/step.c), which also gives the token's slot scores;
+ *   2. the token's retention score: retention_proj(x) as given ("learned") or the best slot score of each kv head
+ *      ("aaren"), on the 1/64 grid (round_retention), shared as share_retention does (the layer that shares leaves
+ *      its best over kv heads; the layers after it rank by the larger of theirs and that one);
+ *   3. the window branch (window/step.c), which offers the oldest window entry to the memory by that score;
+ *   4. the two branches mixed by the gate: lerp(aaren, window, sigmoid(gate)).
+ *
+ * A layer may lack either branch (J = 0: no Aaren branch; W = 0: no window). One call instead of two keeps the
+ * wrapper's fixed cost and the small operators of steps 2 and 4 off every layer of every token. The state is what
+ * the two branch kernels leave (the Aaren state to float rounding, the rest bit for bit given the same scores); the
+ * output equals the reference's to float rounding.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+int aaren_branch_step(int B, int H, int Hkv, int D, int J, int decay, float scale,
+                      const float *q, const float *k, const float *v, const uint8_t *keep,
+                      const float *queries, const float *log_decay, const float *decay_in,
+                      const float *o_in, const float *lse_in,
+                      float *o_new, float *lse_new, float *s, float *out);
+
+int aaren_window_step(
+    int B, int H, int Hkv, int D, int rot, int W, int S, int M, int bf16, int bits, int rotate, float scale,
+    const float *q, const float *k, const float *v, const int64_t *pos,
+    const float *cos_t, const float *sin_t, const float *cos_s, const float *sin_s,
+    const void *win_k, const void *win_v, const int64_t *win_pos, const float *win_score,
+    void *sink_k, void *sink_v, int64_t *sink_pos,
+    void *mem_k, void *mem_v, uint16_t *mem_k_scale, uint16_t *mem_v_scale, int64_t *mem_pos, float *mem_score,
+    const float *retention,
+    float *out, void *new_win_k, void *new_win_v, int64_t *new_win_pos, float *new_win_score);
+
+/* torch.lerp's formula: exact at both ends */
+static inline float lerp(float a, float b, float w) {
+    return fabsf(w) < 0.5f ? a + w * (b - a) : b - (b - a) * (1.0f - w);
+}
+
+/* rule: 1 retention_in [B, Hkv] is retention_proj(x), 2 the best slot score per kv head. share: 0 none, 1 this
+ * layer writes its best over kv heads to shared [B], 2 this layer ranks by max(its own, shared). gate [H] per head,
+ * or [B, H] with gate_per_token. Returns what a branch kernel returned when it declined (1: nothing of the state
+ * written; the caller runs the reference) or 2 when out of memory. */
+int aaren_mixer_step(
+    int B, int H, int Hkv, int D, int J, int decay, int rot, int W, int S, int M, int bf16, int bits, int rotate,
+    int rule, int share, int gate_per_token, float scale,
+    const float *q, const float *k, const float *v, const int64_t *pos, const uint8_t *keep,
+    const float *queries, const float *log_decay, const float *decay_in, const float *o_in, const float *lse_in,
+    float *o_new, float *lse_new,
+    const float *cos_t, const float *sin_t, const float *cos_s, const float *sin_s,
+    const void *win_k, const void *win_v, const int64_t *win_pos, const float *win_score,
+    void *sink_k, void *sink_v, int64_t *sink_pos,
+    void *mem_k, void *mem_v, uint16_t *mem_k_scale, uint16_t *mem_v_scale, int64_t *mem_pos, float *mem_score,
+    const float *retention_in, float *shared, const float *gate,
+    float *out, void *new_win_k, void *new_win_v, int64_t *new_win_pos, float *new_win_score) {
+    const int HJ = H * J, BHD = B * H * D;
+    /* scratch: slot scores [B, HJ], the Aaren branch's output [B, H, D], the retention scores [B, Hkv] */
+    float *scratch = malloc(sizeof(float) * ((size_t)B * HJ + (size_t)BHD + (size_t)B * Hkv + 1));
+    if (!scratch) return 2;
+    float *s = scratch, *out_a = s + (size_t)B * HJ, *retention = out_a + BHD;
+    int rc = 0;
+    if (J > 0) {
+        rc = aaren_branch_step(B, H, Hkv, D, J, decay, scale, q, k, v, keep, queries, log_decay, decay_in, o_in,
+                               lse_in, o_new, lse_new, s, W > 0 ? out_a : out);
+        if (rc != 0 || W == 0) goto done;
+    }
+    if (M > 0) {
+        const int GJ = HJ / Hkv;
+        for (int b = 0; b < B; b++) {
+            float best = -INFINITY;
+            for (int h = 0; h < Hkv; h++) {
+                float r;
+                if (rule == 1) {
+                    r = retention_in[b * Hkv + h];
+                } else {
+                    r = -INFINITY;
+                    for (int j = 0; j < GJ; j++) r = fmaxf(r, s[b * HJ + h * GJ + j]);
+                }
+                r = rintf(r * 64.0f) / 64.0f; /* round half to even, as torch.round */
+                if (share == 2) r = fmaxf(r, shared[b]);
+                retention[b * Hkv + h] = r;
+                best = fmaxf(best, r);
+            }
+            if (share == 1) shared[b] = best;
+        }
+    }
+    rc = aaren_window_step(B, H, Hkv, D, rot, W, S, M, bf16, bits, rotate, scale, q, k, v, pos, cos_t, sin_t, cos_s,
+                           sin_s, win_k, win_v, win_pos, win_score, sink_k, sink_v, sink_pos, mem_k, mem_v,
+                           mem_k_scale, mem_v_scale, mem_pos, mem_score, retention, out, new_win_k, new_win_v,
+                           new_win_pos, new_win_score);
+    if (rc != 0 || J == 0) goto done;
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < H; h++) {
+            const float g = gate[gate_per_token ? b * H + h : h];
+            const float w = 1.0f / (1.0f + expf(-g));
+            float *o = out + ((int64_t)b * H + h) * D;
+            const float *a = out_a + ((int64_t)b * H + h) * D;
+            for (int d = 0; d < D; d++) o[d] = lerp(a[d], o[d], w);
+        }
+done:
+    free(scratch);
+    return rc;
+}

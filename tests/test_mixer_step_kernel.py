@@ -1,0 +1,183 @@
+"""The C decode step of a mixer layer (kernels/mixer: aaren/step.c and window/step.c in one call) against its
+reference, the PyTorch decode path of AarenMixer.forward: the same output to float rounding and, after every step, the
+same state: the Aaren state to float rounding (expf/logf and dot products in another order), everything else (window,
+sinks, memory slots in the same order) bit for bit."""
+
+import shutil
+
+import pytest
+import torch
+
+from aaren_hf.kernels import cbuild
+from aaren_hf.kernels import mixer as mixer_kernel
+from aaren_hf.modeling_aaren import AarenLayerState
+from helpers import MIXER_CASES, kernel_beside_reference, tiny_model
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                reason="no C compiler: the mixer runs the PyTorch step (tested in test_model.py)")
+
+ROUNDED = ("aaren_o", "aaren_lse")
+WINDOW_CASES = [c for c, kw in MIXER_CASES.items() if kw.get("window_size")]
+# the default recipe's kind of mixer (4 slots, learned decay, GQA, rotated 4-bit memory codes; 8-bit ones) at a real
+# head size
+EXTRA = {
+    "default_like_d64": dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, window_size=5,
+                             num_sink_tokens=1, memory_size=6, memory_bits=4, memory_hadamard=True,
+                             num_query_slots=4, decay="learned"),
+    "int8_d64": dict(hidden_size=128, num_attention_heads=2, window_size=3, num_sink_tokens=2, memory_size=4,
+                     memory_bits=8),
+}
+
+
+def test_the_kernel_builds():
+    assert mixer_kernel.library() is not None
+
+
+@pytest.mark.parametrize("case", list(MIXER_CASES) + ["default_like_d64"])
+def test_kernel_step_with_padding_inside_a_row(case, monkeypatch):
+    """Row 1 is padding for a few decode steps (the Aaren state must not move), scores large enough that a decay or
+    a missed stabiliser shows; every mixer of the test cases."""
+    model = tiny_model(**MIXER_CASES.get(case, {}), **EXTRA.get(case, {}))
+    B, T = 2, 30
+    x = torch.randn(B, T, model.config.hidden_size, generator=torch.Generator().manual_seed(7)) * 3
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[1, 5:9] = False
+    pos = (mask.long().cumsum(1) - 1).masked_fill(~mask, -1)
+    for mixer in [layer.mixer for layer in model.model.layers]:
+        with_kernel = kernel_beside_reference(mixer, x, mask, pos, monkeypatch, "mixer_step_cpu", rounded=ROUNDED)
+        if mixer.aaren_branch:
+            assert torch.isfinite(with_kernel.aaren_o).all()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", [None, "bfloat16"])
+@pytest.mark.parametrize("case", WINDOW_CASES + list(EXTRA))
+def test_kernel_step_equals_pytorch_step(case, kv_cache_dtype, monkeypatch):
+    """Two states fed the same tokens one at a time, through the kernel and through the PyTorch steps, long enough
+    that the memory fills and then trades entries (random retention scores; kv head 0's all tie, so the tie rule
+    runs too); from the first steps on (tokens that fill sinks or still see them in the window), and with a row that
+    starts with padding."""
+    kwargs = {"kv_cache_dtype": kv_cache_dtype, **MIXER_CASES.get(case, {}), **EXTRA.get(case, {})}
+    model = tiny_model(**kwargs)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if hasattr(layer.mixer, "retention_proj"):
+                layer.mixer.retention_proj.weight[0] = 0.0
+    B, T = 2, 40
+    x = torch.randn(B, T, model.config.hidden_size, generator=torch.Generator().manual_seed(5)) * 2
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[1, :6] = False  # left padding: row 1's first decode steps are padding, then tokens that fill the sinks
+    pos = (mask.long().cumsum(1) - 1).masked_fill(~mask, -1)
+    for mixer in [layer.mixer for layer in model.model.layers if layer.mixer.window > 1]:
+        with_kernel = kernel_beside_reference(mixer, x, mask, pos, monkeypatch, "mixer_step_cpu", rounded=ROUNDED)
+        if mixer.memory_size:  # the memory did fill, and trade entries
+            assert bool((with_kernel.memory_pos >= 0).all())
+            assert int(with_kernel.memory_pos.max()) > mixer.num_sinks + mixer.window + mixer.memory_size
+
+
+@pytest.mark.parametrize("case", ["memory_shared", "memory_aaren_gqa", "default_like_d64"])
+def test_whole_model_decodes_as_the_reference(case, monkeypatch):
+    """Through the model, where the layers hand a retention score on (``memory_shared_layer``: the later layers rank
+    by the larger of their own and layer 0's), decoded token by token with the kernel and with the PyTorch steps:
+    the same logits to float rounding and the same cache: which tokens every layer holds where (positions, the
+    memory's choices) exactly; layer 0's values bit for bit but its Aaren state; the later layers', whose inputs
+    carry layer 0's rounding, to rounding."""
+    import aaren_hf.modeling_aaren as modeling
+    from aaren_hf.modeling_aaren import AarenCache
+
+    kwargs = {**MIXER_CASES.get(case, {}), **EXTRA.get(case, {})}
+    if case == "default_like_d64":
+        kwargs["memory_shared_layer"] = 0
+    model = tiny_model(**kwargs)
+    ids = torch.randint(1, 60, (2, 40), generator=torch.Generator().manual_seed(2))
+    results, kernel = [], modeling.mixer_step_cpu
+    for step in (kernel, None):
+        monkeypatch.setattr(modeling, "mixer_step_cpu", step)
+        cache = AarenCache(model.config)
+        with torch.no_grad():
+            logits = [model(ids[:, :3], past_key_values=cache, use_cache=True).logits[:, -1]]
+            logits += [model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits[:, -1]
+                       for t in range(3, ids.shape[1])]
+        results.append((torch.stack(logits, 1), cache))
+    (got, got_cache), (want, want_cache) = results
+    torch.testing.assert_close(got, want, atol=1e-4 * float(want.abs().max()), rtol=1e-4)
+    for layer, (mine, theirs) in enumerate(zip(got_cache.layers, want_cache.layers)):
+        a, b = mine.tensors(), theirs.tensors()
+        assert a.keys() == b.keys()
+        for key in a:
+            if key.endswith("_pos") or (layer == 0 and key not in ROUNDED):
+                assert torch.equal(a[key], b[key]), f"layer {layer}: {key}"
+            elif a[key].is_floating_point():
+                finite = b[key][b[key].isfinite()]
+                scale = max(1.0, float(finite.abs().max())) if finite.numel() else 1.0
+                torch.testing.assert_close(a[key], b[key], atol=1e-4 * scale, rtol=1e-4, msg=f"layer {layer}: {key}")
+            else:  # memory codes: a value on a rounding boundary may take the next code
+                assert float((a[key] == b[key]).float().mean()) > 0.99, f"layer {layer}: {key}"
+    assert bool((got_cache.layers[-1].memory_pos >= 0).all())  # the memory filled and traded entries
+
+
+def declines(model, dtype=torch.float32) -> bool:
+    """Whether the kernel returns None for the token after a 6-token prompt, its inputs in ``dtype`` (and if so,
+    that it left the state's values as they were)."""
+    mixer, state = model.model.layers[0].mixer, AarenLayerState()
+    x = torch.randn(1, 7, model.config.hidden_size)
+    with torch.no_grad():
+        mixer(x[:, :6], torch.ones(1, 6, dtype=torch.bool), torch.arange(6).view(1, 6), state)
+        q, k, v = (None if t is None else t.to(dtype) for t in mixer.project(x[:, 6:]))
+        before = {n: t.clone() for n, t in state.tensors().items()}
+        assert mixer.steps_one_token(state, 1)
+        out = mixer.step_in_c(x[:, 6:], q, k, v, torch.ones(1, 1, dtype=torch.bool), torch.tensor([[6]]), state, {})
+    if out is None:
+        assert state.tensors().keys() == before.keys()
+        assert all(torch.equal(t, before[n]) for n, t in state.tensors().items())
+    return out is None
+
+
+def test_off_switch_and_unsupported_inputs_take_the_reference(monkeypatch):
+    """The kernel returns None and touches nothing for bfloat16 inputs, a float16 cache, a head larger than
+    window/step.c takes (MAX_D = 256) and more slots than aaren/step.c takes (MAX_J = 64); the model then decodes
+    with the PyTorch steps. AAREN_BACKEND=torch turns it off."""
+    memory = dict(window_size=3, num_sink_tokens=1, memory_size=2, num_query_slots=2)
+    assert not declines(tiny_model(**memory))  # what the cases around differ from
+    assert declines(tiny_model(**memory), dtype=torch.bfloat16)
+    assert declines(tiny_model(**memory, kv_cache_dtype="float16"))
+    assert declines(tiny_model(**dict(memory, hidden_size=512, num_attention_heads=1)))
+    many = tiny_model(hidden_size=16, num_attention_heads=2, num_query_slots=65)
+    assert declines(many)
+    ids = torch.randint(1, 60, (1, 7))
+    with torch.no_grad():
+        out = many(ids[:, :4], use_cache=True)
+        steps = [many(ids[:, t:t + 1], past_key_values=out.past_key_values, use_cache=True).logits
+                 for t in range(4, 7)]
+        torch.testing.assert_close(steps[-1][:, -1], many(ids).logits[:, -1], atol=1e-4, rtol=0)
+    monkeypatch.setenv("AAREN_BACKEND", "torch")
+    assert mixer_kernel.library() is None
+
+
+def test_without_a_working_compiler_the_reference_runs(monkeypatch, tmp_path):
+    """A compiler that fails (here: $CC names nothing) gives a warning that says what to do and no kernel, once;
+    no compiler at all, one warning; the mixer then decodes with its PyTorch steps."""
+    monkeypatch.setattr(cbuild, "_loaded", {})
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("AAREN_HF_CACHE", str(tmp_path / "cache"))
+    with pytest.warns(UserWarning, match="could not build kernels/aaren/step.c \\+ kernels/window/step.c"):
+        assert mixer_kernel.library() is None
+    assert mixer_kernel.library() is None  # tried once: no second warning
+    # no compiler at all: one warning
+    monkeypatch.setattr(cbuild, "_loaded", {})
+    monkeypatch.setattr(cbuild, "_said_no_compiler", False)
+    monkeypatch.delenv("CC")
+    monkeypatch.setattr(cbuild.shutil, "which", lambda name: None)
+    with pytest.warns(UserWarning, match="no C compiler") as said:
+        assert mixer_kernel.library() is None
+        assert mixer_kernel.library() is None
+    assert len(said) == 1
+    model = tiny_model(window_size=3, num_sink_tokens=1, memory_size=2)
+    ids = torch.randint(1, 60, (1, 12))
+    with torch.no_grad():
+        full = model(ids).logits
+        out = model(ids[:, :6], use_cache=True)
+        cache, steps = out.past_key_values, []
+        for t in range(6, 12):
+            out = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+            steps.append(out.logits)
+    torch.testing.assert_close(torch.cat(steps, 1), full[:, 6:], atol=1e-4, rtol=0)
