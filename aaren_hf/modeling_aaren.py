@@ -86,12 +86,11 @@ class AarenLayerState:
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
     def copy(self):
-        """A state to continue from that leaves this one as it is: the memory and sink tensors, which the decode
-        step writes in place, cloned; the others shared (every update replaces them)."""
+        """A state to continue from that leaves this one as it is: every tensor cloned (the C decode step writes the
+        state in place)."""
         new = copy.copy(self)
         for name, tensor in self.tensors().items():
-            if name.startswith(("memory_", "sink_")):
-                setattr(new, name, tensor.clone())
+            setattr(new, name, tensor.clone())
         return new
 
     def _apply(self, fn):

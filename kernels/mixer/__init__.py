@@ -61,9 +61,11 @@ def mixer_step_cpu(q, k, v, pos, mask, state, *, queries, log_decay, decay_in, d
     ``rule`` "learned"; ``share`` 1 writes this layer's best score to ``shared_retention`` [B, 1, 1], 2 ranks by
     the larger of its own and that one. ``gate``: the window gate's logits, [H] or [B, 1, H].
 
-    Returns the mixed output [B, 1, H, D] float32 and leaves the new state (the window shifted and the Aaren state
-    replaced by new tensors; memory and sinks written in place); None, touching nothing, where the kernel does not
-    apply: not CPU float32, a float16 cache, a head size, query group or slot count beyond the kernels' limits.
+    Returns the mixed output [B, 1, H, D] float32 and leaves the new state, written in place (a state tensor that is
+    not contiguous, or was made under inference mode and is used outside it, is first replaced by a copy: the
+    state's tensors are its own, ``AarenLayerState.copy`` clones them all); None, touching nothing, where the kernel
+    does not apply: not CPU float32, a float16 cache, a head size, query group or slot count beyond the kernels'
+    limits.
     """
     B, _, Hkv, D = k.shape
     H = q.shape[2] if q is not None else queries.shape[0]
@@ -80,9 +82,11 @@ def mixer_step_cpu(q, k, v, pos, mask, state, *, queries, log_decay, decay_in, d
         return None
     # held here until the call returns: a contiguous copy made on the way would otherwise be freed before it
     inputs = [None if t is None else dense(t) for t in (q, k, v, pos, mask, queries, log_decay, decay_in)]
-    aaren = [None, None, None, None]
+    # the state is written in place: each tensor contiguous and the state's own (a copy, where it was not)
+    inference = torch.is_inference_mode_enabled()
+    aaren = [None] * 4
     if J:
-        aaren = [dense(state.aaren_o), dense(state.aaren_lse), torch.empty(B, H * J, D), torch.empty(B, H * J)]
+        aaren = [_writable(state, n, inference) for n in ("aaren_o", "aaren_lse")] * 2  # o_new = o_in
     win = [None] * 11
     memory = [None] * 6
     new_win = [None] * 4
@@ -91,18 +95,14 @@ def mixer_step_cpu(q, k, v, pos, mask, state, *, queries, log_decay, decay_in, d
         cos_t, sin_t = (dense(a) for a in angles)
         cos_s, sin_s = (cos_t, sin_t) if sink_turn is None else (dense(a) for a in sink_turn)
         rot = cos_t.shape[-1]
-        win_k, win_v = dense(state.window_k), dense(state.window_v)
-        win = [cos_t, sin_t, cos_s, sin_s, win_k, win_v, dense(state.window_pos), None]
-        # a token among the first S fills a sink slot in place
-        inference = torch.is_inference_mode_enabled()
+        names = ("window_k", "window_v", "window_pos") + (("window_score",) if M > 0 else ())
+        new_win = [_writable(state, n, inference) for n in names] + ([] if M > 0 else [None])
+        win = [cos_t, sin_t, cos_s, sin_s, *new_win]  # new_win_* = win_*
         win += [_writable(state, n, inference) for n in ("sink_k", "sink_v", "sink_pos")]
-        new_win = [torch.empty_like(win_k), torch.empty_like(win_v), torch.empty_like(state.window_pos), None]
         if M > 0:
             names = ("memory_k", "memory_v", "memory_k_scale", "memory_v_scale") if bits else ("memory_k", "memory_v")
             memory = [_writable(state, n, inference) for n in names] + ([] if bits else [None, None])
             memory += [_writable(state, n, inference) for n in ("memory_pos", "memory_score")]
-            win[7] = dense(state.window_score)
-            new_win[3] = torch.empty_like(win[7])
     if retention is not None:
         retention = dense(retention)
     if gate is not None:
@@ -117,10 +117,4 @@ def mixer_step_cpu(q, k, v, pos, mask, state, *, queries, log_decay, decay_in, d
         return None
     if rc != 0:
         raise RuntimeError(f"aaren_mixer_step failed ({rc}) for B={B} H={H} Hkv={Hkv} D={D} J={J} W={window} M={M}")
-    if J:
-        state.aaren_o, state.aaren_lse = aaren[2], aaren[3]
-    if window:
-        state.window_k, state.window_v, state.window_pos = new_win[:3]
-        if M > 0:
-            state.window_score = new_win[3]
     return out

@@ -12,8 +12,9 @@
  *
  * A layer may lack either branch (J = 0: no Aaren branch; W = 0: no window). One call instead of two keeps the
  * wrapper's fixed cost and the small operators of steps 2 and 4 off every layer of every token. The state is what
- * the two branch kernels leave (the Aaren state to float rounding, the rest bit for bit given the same scores); the
- * output equals the reference's to float rounding.
+ * the two branch kernels leave (the Aaren state to float rounding, the rest bit for bit given the same scores),
+ * written in place when the caller passes the same buffers in and out (o_new = o_in, new_win_* = win_*); the output
+ * equals the reference's to float rounding.
  */
 #include <math.h>
 #include <stdint.h>
@@ -25,6 +26,7 @@ int aaren_branch_step(int B, int H, int Hkv, int D, int J, int decay, float scal
                       const float *o_in, const float *lse_in,
                       float *o_new, float *lse_new, float *s, float *out);
 
+int aaren_window_step_takes(int H, int Hkv, int D, int rotate);
 int aaren_window_step(
     int B, int H, int Hkv, int D, int rot, int W, int S, int M, int bf16, int bits, int rotate, float scale,
     const float *q, const float *k, const float *v, const int64_t *pos,
@@ -56,6 +58,8 @@ int aaren_mixer_step(
     void *mem_k, void *mem_v, uint16_t *mem_k_scale, uint16_t *mem_v_scale, int64_t *mem_pos, float *mem_score,
     const float *retention_in, float *shared, const float *gate,
     float *out, void *new_win_k, void *new_win_v, int64_t *new_win_pos, float *new_win_score) {
+    /* the Aaren branch updates its state in place: a window kernel that declined after it would leave it half done */
+    if (W > 0 && !aaren_window_step_takes(H, Hkv, D, rotate)) return 1;
     const int HJ = H * J, BHD = B * H * D;
     /* scratch: slot scores [B, HJ], the Aaren branch's output [B, H, D], the retention scores [B, Hkv] */
     float *scratch = malloc(sizeof(float) * ((size_t)B * HJ + (size_t)BHD + (size_t)B * Hkv + 1));

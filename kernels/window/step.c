@@ -8,7 +8,8 @@
  *   2. one softmax over the window (W - 1 entries + the token), the sinks (keys turned by p - (S + W - 1)) and the
  *      memory (codes read back), each kv head's G query heads over its keys;
  *   3. the oldest window entry offered to the memory (it takes the weakest slot if it beats it) and coded;
- *   4. the window shifted by one into the new_win_* buffers (the state the reference leaves, bit for bit).
+ *   4. the window shifted by one into the new_win_* buffers (the state the reference leaves, bit for bit); they may
+ *      be the win_* buffers themselves (the window updated in place).
  *
  * Every value the state keeps is computed with the reference's float32 operations in its order (rotary as two
  * products and a sum, the Hadamard butterflies, the bfloat16 rounding of scales and keys, round-half-even codes),
@@ -178,6 +179,11 @@ static void read_entry(const void *mem, const uint16_t *scales, int64_t e, int D
     }
 }
 
+/* whether aaren_window_step takes these shapes (where not, it returns 1 and writes nothing) */
+int aaren_window_step_takes(int H, int Hkv, int D, int rotate) {
+    return D <= MAX_D && H / Hkv <= MAX_G && !(rotate && (D & (D - 1)));
+}
+
 int aaren_window_step(
     int B, int H, int Hkv, int D, int rot, int W, int S, int M, int bf16, int bits, int rotate, float scale,
     const float *q, const float *k, const float *v, const int64_t *pos,              /* [B, H|Hkv, D], [B] */
@@ -188,13 +194,16 @@ int aaren_window_step(
     const float *retention,                                                           /* [B, Hkv] */
     float *out, void *new_win_k, void *new_win_v, int64_t *new_win_pos, float *new_win_score) {
     int G = H / Hkv;
-    if (D > MAX_D || G > MAX_G || (rotate && (D & (D - 1)))) return 1; /* not this kernel's: the caller falls back */
+    if (!aaren_window_step_takes(H, Hkv, D, rotate)) return 1; /* not this kernel's: the caller falls back */
     int Wp = W - 1, N = W + S + M;
     int64_t code_width = bits == 4 ? D / 2 : D; /* per memory entry, in elements of its array */
     float qr[MAX_G][MAX_D], qs[MAX_G][MAX_D], acc[MAX_G][MAX_D], accm[MAX_G][MAX_D];
     float key[MAX_D], val[MAX_D], knew[MAX_D], vnew[MAX_D], x[MAX_D], y[MAX_D];
-    float *scores = malloc(sizeof(float) * G * N); /* [G, N]: scores, then weights */
+    /* [G, N]: scores, then weights; then the token's stored keys and values [Hkv, D] each, written into the window
+     * once it has shifted (in place, the shift would otherwise move them) */
+    float *scores = malloc(sizeof(float) * ((size_t)G * N + 2 * (size_t)Hkv * D));
     if (!scores) return 2;
+    float *tok_k = scores + (size_t)G * N, *tok_v = tok_k + (size_t)Hkv * D;
     for (int b = 0; b < B; b++) {
         int64_t p = pos[b];
         const float *ct = cos_t + (int64_t)b * rot, *st = sin_t + (int64_t)b * rot;
@@ -315,22 +324,27 @@ int aaren_window_step(
                     mem_score[e] = s0;
                 }
             }
-            /* the token last in the shifted window (the rest moves below, one copy per row of the batch) */
-            for (int d = 0; d < D; d++) {
-                int64_t to = (((int64_t)b * Wp + Wp - 1) * Hkv + h) * D + d;
-                store(new_win_k, bf16, to, knew[d]);
-                store(new_win_v, bf16, to, vnew[d]);
-            }
-            if (M > 0) new_win_score[((int64_t)b * Wp + Wp - 1) * Hkv + h] = retention[row];
+            memcpy(tok_k + (size_t)h * D, knew, sizeof(float) * D);
+            memcpy(tok_v + (size_t)h * D, vnew, sizeof(float) * D);
         }
-        /* the window shifted by one: entries 1 .. W - 2 of row b are contiguous ([B, W - 1, Hkv, D]) */
+        /* the window shifted by one: entries 1 .. W - 2 of row b are contiguous ([B, W - 1, Hkv, D]); memmove, as
+         * new_win_* may be win_* */
         size_t width = bf16 ? 2 : 4, entry = (size_t)Hkv * D * width, first = (size_t)b * Wp * entry;
         if (Wp > 1) {
-            memcpy((char *)new_win_k + first, (const char *)win_k + first + entry, (size_t)(Wp - 1) * entry);
-            memcpy((char *)new_win_v + first, (const char *)win_v + first + entry, (size_t)(Wp - 1) * entry);
+            memmove((char *)new_win_k + first, (const char *)win_k + first + entry, (size_t)(Wp - 1) * entry);
+            memmove((char *)new_win_v + first, (const char *)win_v + first + entry, (size_t)(Wp - 1) * entry);
             if (M > 0)
-                memcpy(new_win_score + (int64_t)b * Wp * Hkv, win_score + ((int64_t)b * Wp + 1) * Hkv,
-                       sizeof(float) * (Wp - 1) * Hkv);
+                memmove(new_win_score + (int64_t)b * Wp * Hkv, win_score + ((int64_t)b * Wp + 1) * Hkv,
+                        sizeof(float) * (Wp - 1) * Hkv);
+        }
+        /* then the token, last in the shifted window */
+        for (int h = 0; h < Hkv; h++) {
+            for (int d = 0; d < D; d++) {
+                int64_t to = (((int64_t)b * Wp + Wp - 1) * Hkv + h) * D + d;
+                store(new_win_k, bf16, to, tok_k[(size_t)h * D + d]);
+                store(new_win_v, bf16, to, tok_v[(size_t)h * D + d]);
+            }
+            if (M > 0) new_win_score[((int64_t)b * Wp + Wp - 1) * Hkv + h] = retention[(int64_t)b * Hkv + h];
         }
         if (p >= 0 && p < S) sink_pos[(int64_t)b * S + p] = p;
         for (int j = 0; j + 1 < Wp; j++) new_win_pos[(int64_t)b * Wp + j] = win_pos[(int64_t)b * Wp + j + 1];
