@@ -972,8 +972,13 @@ class AarenMixer(nn.Module):
         # as the memory would store them: what a query reads of a token that has left the window
         stream_k = torch.cat([k_prev.to(k.dtype), k], 1).transpose(1, 2)
         stream_v = torch.cat([v_prev.to(v.dtype), v], 1).transpose(1, 2)
+        coded = None
         if self.memory_codes is not None:
-            stream_k, stream_v = self.memory_codes.round(stream_k), self.memory_codes.round(stream_v)
+            # MemoryCodes.round, keeping the codes: keep_memory stores them as they are instead of coding again
+            kv = torch.stack([stream_k, stream_v]).float()
+            coded = self.memory_codes.encode(kv.detach())
+            kv = self.memory_codes.decode(*coded) + (kv - kv.detach())
+            stream_k, stream_v = kv[0], kv[1]
         stream_pos = torch.cat([pos_prev, pos], 1).unsqueeze(1).expand(B, Hkv, -1)
         stream_score = torch.cat([prev_score, retention], 1)
         if state is not None and state.memory_k is not None:
@@ -983,12 +988,19 @@ class AarenMixer(nn.Module):
             cand_pos = torch.cat([state.memory_pos, stream_pos], 2)
             cand_score = torch.cat([state.memory_score, stream_score.transpose(1, 2)], 2)
             held = M
+            if coded is not None:  # the memory's codes, then the stream's (coding a decoded entry gives its codes)
+                coded = tuple(torch.cat([torch.stack([state.memory_k, state.memory_v]).to(c.dtype), c], 3)
+                              if i == 0 else
+                              torch.cat([torch.stack([state.memory_k_scale, state.memory_v_scale]).to(c.dtype), c], 3)
+                              for i, c in enumerate(coded))
         else:
             cand_k, cand_v, cand_pos, cand_score, held = stream_k, stream_v, stream_pos, stream_score.transpose(1, 2), 0
         last, evict = memory_visibility(cand_pos, cand_score, held, self.window, self.num_sinks, M, T)
         keep = memory_seen(evict, last[T:])[:, :, 0]
         candidates = {"k": cand_k, "v": cand_v, "pos": cand_pos, "score": cand_score, "keep": keep,
                       "stream_score": stream_score}
+        if coded is not None:
+            candidates["codes"] = coded
         return (cand_k, cand_v, evict, last), candidates
 
     def keep_memory(self, state, candidates, stored: torch.dtype):
@@ -996,15 +1008,24 @@ class AarenMixer(nn.Module):
         same size from the first call on; keys and values in ``stored``."""
         keep, M = candidates["keep"], self.memory_size
         B, Hkv, C = keep.shape
+        coded = candidates.pop("codes", None)
+        if coded is not None:  # the codes memory_candidates took (what as_stored would give again)
+            k, v = candidates.pop("k"), candidates.pop("v")
+            zero = self.memory_codes.encode(k.new_zeros(k.shape[-1]))  # an empty slot's codes and scale
+            candidates.update(k=coded[0][0], v=coded[0][1], k_scale=coded[1][0], v_scale=coded[1][1])
         if C < M:  # fewer candidates than slots: pad with empty ones
             pad = M - C
             keep = F.pad(keep, (0, pad))
-            for name, value in (("k", 0.0), ("v", 0.0), ("pos", -1), ("score", float("-inf"))):
+            empty = {"k": 0.0, "v": 0.0, "pos": -1, "score": float("-inf")}
+            if coded is not None:
+                empty.update(k=int(zero[0][0]), v=int(zero[0][0]), k_scale=0.0, v_scale=0.0)
+            for name, value in empty.items():
                 t = candidates[name]
                 widths = (0, 0, 0, pad) if t.dim() == 4 else (0, pad)
                 candidates[name] = F.pad(t, widths, value=value)
         idx = torch.sort((~keep).to(torch.uint8), dim=-1, stable=True).indices[..., :M]  # kept ones first
-        candidates.update(self.as_stored(candidates.pop("k"), candidates.pop("v"), stored))
+        if coded is None:
+            candidates.update(self.as_stored(candidates.pop("k"), candidates.pop("v"), stored))
         self.fill_memory(state, candidates, idx)
         kept = keep.gather(2, idx)
         state.memory_pos = state.memory_pos.masked_fill(~kept, -1)

@@ -16,7 +16,8 @@ Work measured (B = batch):
   * prefill P: one forward over a P-token prompt at batch 1 returning the cache and the logits of the last token
     (what generate() does first).
   * generate BxP: after a prefill of B prompts of P tokens, greedy decode steps as generate() runs them (the next
-    token, the growing all-ones attention mask, the cache; no logits processors); ms per step, tokens/s = B / step.
+    token, the growing all-ones attention mask, the cache, under torch.no_grad as generate() runs; no logits
+    processors); ms per step, tokens/s = B / step.
 
 Interleaving: every repetition runs each model once, in a rotated order, so load from other jobs on a shared
 machine hits all models alike; decode steps alternate between the models step by step. Reported: the median.
@@ -367,7 +368,8 @@ def run_prompts(models, args):
     jobs = sorted({(1, p) for p in args.prompts} | set(args.generate), key=lambda bp: (bp[0] != 1, bp))
     param_bytes = {k: tensor_bytes(m.parameters()) for k, m in models.items()}
     prefill_rows, generate_rows = [], []
-    with torch.inference_mode():
+    # no_grad, not inference_mode: what generate() runs under (inference_mode speeds up the many-operator step more)
+    with torch.no_grad():
         for batch, length in jobs:
             ids = random_ids(args, batch, length, salt=7 * length + batch)
             times = {k: [] for k in models}
@@ -447,7 +449,7 @@ def warm_up(models, args):
     """One short prefill and a few decode steps per model before anything is timed (first-call costs: allocator,
     lazy initialisation, kernel compilation on CUDA)."""
     ids = random_ids(args, 1, 16, salt=1)
-    with torch.inference_mode():
+    with torch.no_grad():
         for kind, model in models.items():
             dec = Decoding(kind, model, *prefill(model, ids), 16, 3)
             for _ in range(3):
