@@ -444,8 +444,13 @@ class MemoryCodes:
     def round(self, x: torch.Tensor) -> torch.Tensor:
         """x as the memory stores it gives it back, in float32. Gradients pass straight through to x, as they do
         through :func:`round_to_cache`'s casts."""
+        return self.round_with_codes(x)[0]
+
+    def round_with_codes(self, x: torch.Tensor):
+        """(:meth:`round` of x, :meth:`encode` of x): for a caller that stores the codes too."""
         x = x.float()
-        return self.decode(*self.encode(x.detach())) + (x - x.detach())
+        coded = self.encode(x.detach())
+        return self.decode(*coded) + (x - x.detach()), coded
 
 
 def _autocast_on(device_type: str) -> bool:
@@ -974,11 +979,8 @@ class AarenMixer(nn.Module):
         stream_v = torch.cat([v_prev.to(v.dtype), v], 1).transpose(1, 2)
         coded = None
         if self.memory_codes is not None:
-            # MemoryCodes.round, keeping the codes: keep_memory stores them as they are instead of coding again
-            kv = torch.stack([stream_k, stream_v]).float()
-            coded = self.memory_codes.encode(kv.detach())
-            kv = self.memory_codes.decode(*coded) + (kv - kv.detach())
-            stream_k, stream_v = kv[0], kv[1]
+            # the codes kept too: keep_memory stores them as they are instead of coding the kept entries again
+            (stream_k, stream_v), coded = self.memory_codes.round_with_codes(torch.stack([stream_k, stream_v]))
         stream_pos = torch.cat([pos_prev, pos], 1).unsqueeze(1).expand(B, Hkv, -1)
         stream_score = torch.cat([prev_score, retention], 1)
         if state is not None and state.memory_k is not None:
@@ -989,10 +991,9 @@ class AarenMixer(nn.Module):
             cand_score = torch.cat([state.memory_score, stream_score.transpose(1, 2)], 2)
             held = M
             if coded is not None:  # the memory's codes, then the stream's (coding a decoded entry gives its codes)
-                coded = tuple(torch.cat([torch.stack([state.memory_k, state.memory_v]).to(c.dtype), c], 3)
-                              if i == 0 else
-                              torch.cat([torch.stack([state.memory_k_scale, state.memory_v_scale]).to(c.dtype), c], 3)
-                              for i, c in enumerate(coded))
+                codes, scales = coded
+                coded = (torch.cat([torch.stack([state.memory_k, state.memory_v]), codes], 3),
+                         torch.cat([torch.stack([state.memory_k_scale, state.memory_v_scale]), scales], 3))
         else:
             cand_k, cand_v, cand_pos, cand_score, held = stream_k, stream_v, stream_pos, stream_score.transpose(1, 2), 0
         last, evict = memory_visibility(cand_pos, cand_score, held, self.window, self.num_sinks, M, T)
@@ -1010,8 +1011,9 @@ class AarenMixer(nn.Module):
         B, Hkv, C = keep.shape
         coded = candidates.pop("codes", None)
         if coded is not None:  # the codes memory_candidates took (what as_stored would give again)
-            k, v = candidates.pop("k"), candidates.pop("v")
-            zero = self.memory_codes.encode(k.new_zeros(k.shape[-1]))  # an empty slot's codes and scale
+            D = candidates.pop("k").shape[-1]
+            del candidates["v"]
+            zero = self.memory_codes.encode(torch.zeros(D, device=keep.device))  # an empty slot's codes and scale
             candidates.update(k=coded[0][0], v=coded[0][1], k_scale=coded[1][0], v_scale=coded[1][1])
         if C < M:  # fewer candidates than slots: pad with empty ones
             pad = M - C
