@@ -28,7 +28,6 @@ SOURCES = (KERNELS / "aaren" / "step.c", KERNELS / "window" / "step.c", KERNELS 
 SIGNATURES = {"aaren_mixer_step": (ctypes.c_int, [ctypes.c_int] * 16 + [ctypes.c_float] + [ctypes.c_void_p] * 37)}
 DECAY = {"none": 0, "fixed": 1, "learned": 1, "input": 2}
 RULE = {"learned": 1, "aaren": 2}
-MAX_J = 64  # aaren/step.c
 
 
 def library():
@@ -72,7 +71,8 @@ def mixer_step_cpu(q, k, v, pos, mask, state, *, queries, log_decay, decay_in, d
     J = 0 if queries is None else queries.shape[1]
     M = memory_size if window else 0
     stored = state.window_k.dtype if window else torch.float32
-    if (J > MAX_J or mask.dtype != torch.bool or pos.dtype != torch.int64 or stored not in (torch.float32,
+    # (more slots than aaren/step.c takes is left to the C call: it returns 1 before writing anything)
+    if (mask.dtype != torch.bool or pos.dtype != torch.int64 or stored not in (torch.float32,
             torch.bfloat16) or H % Hkv or (window and q is None)
             or not _float32_cpu(q, k, v, queries, log_decay, decay_in, retention, gate, state.aaren_o if J else None)
             or (M > 0 and bits is None and state.memory_k.dtype != stored)):
