@@ -32,10 +32,11 @@ from .configuration_aaren import AarenConfig
 try:  # Triton kernels on CUDA and the C decode steps on CPUs, when this package is installed; the PyTorch code in
     # this file serves everywhere else (a checkpoint's own copy of it: nothing else to install)
     from aaren_hf.kernels import chunk_aaren, fused_recurrent_aaren
+    from aaren_hf.kernels.memory import memory_evict_cpu
     from aaren_hf.kernels.mixer import mixer_step_cpu
 except ImportError:
     chunk_aaren, fused_recurrent_aaren = chunk_aaren_torch, recurrent_aaren_torch
-    mixer_step_cpu = None
+    memory_evict_cpu = mixer_step_cpu = None
 
 
 # Prompts longer than this go through the model in pieces of this many tokens when a cache is kept (prefill).
@@ -302,10 +303,9 @@ def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sin
     pb = pos_all.unfold(1, L, Q)  # [B, n, L]
     qpos = F.pad(pos, (0, Tp - T), value=-1)
     qp = F.pad(q, (0, 0, 0, 0, 0, Tp - T))
-    # queries [B, n, Hkv, G * Q, D], the scale folded in; keys and values of the window (then of the memory)
-    # [B, n, Hkv, keys, D]: one matmul per (block, kv head) serves its G query heads
-    qw = (rotate(qp, qpos.clamp(min=0), inv_freq).float() * scale).view(B, nblk, Q, Hkv, G, D)
-    qw = qw.permute(0, 1, 3, 4, 2, 5).reshape(B, nblk, Hkv, G * Q, D)
+    # queries [B, n, Hkv, G, Q, D]; keys and values of the window (then of the memory) [B, n, Hkv, keys, D]: one
+    # attention call per (block, kv head) serves its G query heads
+    qw = rotate(qp, qpos.clamp(min=0), inv_freq).float().view(B, nblk, Q, Hkv, G, D).permute(0, 1, 3, 4, 2, 5)
     keys, values = [k_all.unfold(1, L, Q).transpose(-1, -2)], [v_all.unfold(1, L, Q).transpose(-1, -2)]
     qpos = qpos.view(B, nblk, Q)
     r = torch.arange(Q, device=q.device).view(Q, 1)
@@ -313,33 +313,50 @@ def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sin
     band = (c >= r) & (c <= r + W - 1)
     valid = [(band & (pb.unsqueeze(2) >= 0) & (qpos.unsqueeze(-1) >= 0)).unsqueeze(2).expand(B, nblk, Hkv, Q, L)]
     if memory is not None:
-        mem_k, mem_v, mem_visible = _memory_blocks(*memory, pos >= 0, nblk, Q)  # [B, Hkv, n, K, D]
-        keys.append(mem_k.transpose(1, 2))
-        values.append(mem_v.transpose(1, 2))
-        valid.append(mem_visible.transpose(1, 2))  # [B, n, Hkv, Q, K]
-    if S > 0:
-        # sinks are seen from position min(p, S + W - 1), by queries rotated there: their S score columns are
-        # computed apart and written over the product's last S columns (zero keys), one softmax over them all
-        keys.append(sink_k.new_zeros(B, 1, Hkv, S, D).expand(B, nblk, Hkv, S, D))
-        values.append(sink_v.transpose(1, 2).unsqueeze(1).expand(B, nblk, Hkv, S, D))
-        sp = sink_pos.view(B, 1, 1, S)
-        sink_valid = (sp >= 0) & (sp <= qpos.unsqueeze(-1) - W) & (qpos.unsqueeze(-1) >= 0)  # [B, n, Q, S]
-        valid.append(sink_valid.unsqueeze(2).expand(B, nblk, Hkv, Q, S))
-    keys = (torch.cat(keys, 3) if len(keys) > 1 else keys[0]).float()
-    values = (torch.cat(values, 3) if len(values) > 1 else values[0]).float()
+        mem_k, mem_v, mem_visible = _memory_blocks(*memory, pos >= 0, nblk, Q)  # [B, n, Hkv, K, D]
+        keys.append(mem_k)
+        values.append(mem_v)
+        valid.append(mem_visible)  # [B, n, Hkv, Q, K]
     # a padding query (nothing valid) sees every key, so that its softmax stays finite; its output is zeroed below
     query_valid = qpos >= 0  # [B, n, Q]
     valid = (torch.cat(valid, -1) if len(valid) > 1 else valid[0]) | ~query_valid.view(B, nblk, 1, Q, 1)
-    scores = torch.matmul(qw, keys.transpose(-1, -2)).view(B, nblk, Hkv, G, Q, -1)
+    seen, Dx = valid.shape[-1], D + S
     if S > 0:
+        # sinks are seen from position min(p, S + W - 1), by queries rotated there, so their scores are not q . k:
+        # computed apart, they ride in S more query dimensions, which only the S sink keys read (one-hot there)
         qs_pos = qpos.reshape(B, Tp).clamp(min=0, max=S + W - 1)
-        qs = (rotate(qp, qs_pos, inv_freq).float() * scale).view(B, nblk, Q, Hkv, G, D).permute(0, 1, 3, 4, 2, 5)
-        scores[..., -S:] = torch.matmul(qs, sink_k.float().permute(0, 2, 3, 1).view(B, 1, Hkv, 1, D, S))
-    # -inf, not the lowest float: exp of that underflows to denormals, several times slower on CPUs
-    probs = torch.softmax(scores.masked_fill_(~valid.unsqueeze(3), float("-inf")), -1)
-    out = torch.matmul(probs.view(B, nblk, Hkv, G * Q, -1), values).view(B, nblk, Hkv, G, Q, D)
-    out = out.masked_fill(~query_valid.view(B, nblk, 1, 1, Q, 1), 0.0)
+        qs = rotate(qp, qs_pos, inv_freq).float().view(B, nblk, Q, Hkv, G, D).permute(0, 1, 3, 4, 2, 5)
+        qw = torch.cat([qw, torch.matmul(qs, sink_k.float().permute(0, 2, 3, 1).view(B, 1, Hkv, 1, D, S))], -1)
+        keys.append(F.pad(torch.eye(S, device=q.device), (D, 0)).expand(B, nblk, Hkv, S, Dx))
+        values.append(sink_v.transpose(1, 2).unsqueeze(1).expand(B, nblk, Hkv, S, D))
+        sp = sink_pos.view(B, 1, 1, S)
+        sink_valid = (sp >= 0) & (sp <= qpos.unsqueeze(-1) - W) & (qpos.unsqueeze(-1) >= 0)  # [B, n, Q, S]
+        valid = torch.cat([valid, sink_valid.unsqueeze(2).expand(B, nblk, Hkv, Q, S)], -1)
+        # the other keys zero in the sink dimensions; the values as wide as the keys (the kernel takes no less)
+        keys = [F.pad(key, (0, S)) for key in keys[:-1]] + keys[-1:]
+        values = [F.pad(value, (0, S)) for value in values]
+    kx, vx = (torch.cat(parts, 3).float() if len(parts) > 1 else parts[0].float() for parts in (keys, values))
+    Lk = seen + S
+    # the mask as an additive bias, one for the G query heads of a kv head (-inf, not the lowest float: exp of that
+    # underflows to denormals, several times slower on CPUs); fused attention (PyTorch's flash kernel on CPUs)
+    bias = torch.zeros(valid.shape, device=q.device).masked_fill_(~valid, float("-inf"))
+    out = _attention(qw.reshape(-1, G, Q, Dx), kx.reshape(-1, 1, Lk, Dx), vx.reshape(-1, 1, Lk, Dx),
+                     bias.view(-1, 1, Q, Lk), scale)
+    out = out[..., :D].reshape(B, nblk, Hkv, G, Q, D).masked_fill(~query_valid.view(B, nblk, 1, 1, Q, 1), 0.0)
     return out.permute(0, 1, 4, 2, 3, 5).reshape(B, Tp, H, D)[:, :T].to(q.dtype)
+
+
+def _attention(q, k, v, bias, scale):
+    """Softmax attention of q [N, G, Q, D] over keys and values [N, 1, K, D] shared by the G heads, bias
+    [N, 1, Q, K] added to the scaled scores."""
+    if _SDPA_SHARES_KEYS:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=True)
+    G = q.shape[1]  # torch < 2.5 (a Hub user's): the keys repeated per head
+    return F.scaled_dot_product_attention(q, k.expand(-1, G, -1, -1), v.expand(-1, G, -1, -1), attn_mask=bias,
+                                          scale=scale)
+
+
+_SDPA_SHARES_KEYS = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
 def to_cache(x: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
@@ -364,9 +381,14 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
     matmul's order depends on its shape); dividing first keeps even the largest floats finite."""
     D = x.shape[-1]
     y = x / D
-    for _ in range(D.bit_length() - 1):
-        a, b = y.unflatten(-1, (2, D // 2)).unbind(-2)  # the top bit of the index: done, it becomes the lowest
-        y = torch.stack([a + b, a - b], -1).flatten(-2)
+    h = D // 2
+    while h >= 1:  # the bits of the index from the top: pairs (i, i + h) within blocks of 2h
+        a, b = y.unflatten(-1, (D // (2 * h), 2, h)).unbind(-2)
+        y = torch.empty_like(y)
+        pairs = y.unflatten(-1, (D // (2 * h), 2, h))
+        torch.add(a, b, out=pairs[..., 0, :])  # written in place: a stack with a short last dimension is slow
+        torch.sub(a, b, out=pairs[..., 1, :])
+        h //= 2
     return y
 
 
@@ -484,7 +506,8 @@ def memory_visibility(cand_pos, cand_score, first_stream, window, num_sinks, mem
     (:func:`memory_seen`).
 
     ``evict`` comes from a sweep over the candidates in blocks that carries the current top set (at most M): each
-    block ranks M + block candidates against each other, so the cost is O(C * (M + block)), never C x C.
+    block ranks M + block candidates against each other, so the cost is O(C * (M + block)), never C x C. On a CPU
+    with this package, ``memory_evict_cpu`` (kernels/memory) computes the same indices with a heap per row.
     """
     B, Hkv, C = cand_pos.shape
     M, device = memory_size, cand_pos.device
@@ -492,7 +515,18 @@ def memory_visibility(cand_pos, cand_score, first_stream, window, num_sinks, mem
     last = first_stream - 1 + (P + torch.arange(T + 1, device=device) - window + 1).clamp(min=0)
     real = cand_pos >= num_sinks
     upto = int(last[-1]) + 1  # later candidates are seen by no query of this call
-    block = block or max(64, 2 * M)
+    evict = None
+    if memory_evict_cpu is not None:
+        evict = memory_evict_cpu(cand_pos, cand_score, upto, num_sinks, M)
+    if evict is None:
+        evict = _evict_sweep(cand_pos, cand_score, real, upto, M, block or max(64, 2 * M))
+    return last, torch.where(real, evict, -1)
+
+
+def _evict_sweep(cand_pos, cand_score, real, upto, M, block):
+    """:func:`memory_visibility`'s evict (C where never evicted or after ``upto``) by the block sweep."""
+    B, Hkv, C = cand_pos.shape
+    device = cand_pos.device
     # column C: an empty slot of the carried top set (never real, never ranks above anything)
     pos_x = F.pad(cand_pos, (0, 1), value=-1)
     score_x = F.pad(cand_score.float(), (0, 1), value=float("-inf"))
@@ -518,7 +552,7 @@ def memory_visibility(cand_pos, cand_score, first_stream, window, num_sinks, mem
         stays = r & ~leaves
         order = torch.sort((~stays).to(torch.uint8), dim=-1, stable=True).indices[..., :M]
         top = torch.where(stays.gather(2, order), cand.gather(2, order), C)
-    return last, torch.where(real, evict[..., :C], -1)
+    return evict[..., :C]
 
 
 def memory_seen(evict, last):
@@ -532,7 +566,7 @@ def memory_seen(evict, last):
 def _memory_blocks(keys, values, evict, last, query_valid, nblk, Q):
     """Per block of Q queries, gather the candidates some query of the block sees: at most M + Q of them (the block
     starts with at most M and each query adds at most the one token leaving its window). Returns keys and values
-    [B, Hkv, n, K, D] and visible [B, Hkv, n, Q, K]."""
+    [B, n, Hkv, K, D] and visible [B, n, Hkv, Q, K]."""
     B, Hkv, C = evict.shape
     T = query_valid.shape[1]
     last = last[:T]
@@ -540,17 +574,18 @@ def _memory_blocks(keys, values, evict, last, query_valid, nblk, Q):
     # index in between is in the block's set, a superset of what its real queries see
     lo, hi = last[::Q], last[(torch.arange(nblk, device=last.device) * Q + Q - 1).clamp(max=T - 1)]
     index = torch.arange(C, device=evict.device)
-    seen = (index <= hi.view(-1, 1)) & (evict.unsqueeze(2) > lo.view(-1, 1))  # [B, Hkv, n, C]
+    seen = (index <= hi.view(-1, 1, 1)) & (evict.unsqueeze(1) > lo.view(-1, 1, 1))  # [B, n, Hkv, C]
     K = max(1, min(C, int(seen.sum(-1).max())))
     idx = torch.sort((~seen).to(torch.uint8), dim=-1, stable=True).indices[..., :K]  # seen candidates first
+    # candidates move as whole rows of [B * Hkv * C, D]: index_select copies rows, far faster than a gather
+    rows = (idx + torch.arange(0, B * Hkv * C, C, device=idx.device).view(B, 1, Hkv, 1)).flatten()
     D = keys.shape[-1]
-    gather_idx = idx.unsqueeze(-1).expand(B, Hkv, nblk, K, D)
-    k = torch.gather(keys.unsqueeze(2).expand(B, Hkv, nblk, C, D), 3, gather_idx)
-    v = torch.gather(values.unsqueeze(2).expand(B, Hkv, nblk, C, D), 3, gather_idx)
-    q_last = F.pad(last, (0, nblk * Q - T), value=-1).view(nblk, Q, 1)
-    ends = evict.unsqueeze(2).expand(B, Hkv, nblk, C).gather(3, idx).unsqueeze(3)  # [B, Hkv, n, 1, K]
+    k = keys.reshape(-1, D).index_select(0, rows).view(B, nblk, Hkv, K, D)
+    v = values.reshape(-1, D).index_select(0, rows).view(B, nblk, Hkv, K, D)
+    q_last = F.pad(last, (0, nblk * Q - T), value=-1).view(nblk, 1, Q, 1)
+    ends = evict.reshape(-1).index_select(0, rows).view(B, nblk, Hkv, 1, K)
     vis = (idx.unsqueeze(3) <= q_last) & (q_last < ends)
-    vis = vis & F.pad(query_valid, (0, nblk * Q - T)).view(B, 1, nblk, Q, 1)
+    vis = vis & F.pad(query_valid, (0, nblk * Q - T)).view(B, nblk, 1, Q, 1)
     return k, v, vis
 
 

@@ -1,10 +1,10 @@
-"""The CPU decode step's C sources (``aaren/step.c``, ``window/step.c``, ``mixer/step.c``), compiled on first use into
-one library and loaded with ctypes.
+"""The C kernels for CPUs (the decode step: ``aaren/step.c``, ``window/step.c``, ``mixer/step.c`` in one library; the
+memory's ranking: ``memory/evict.c``), compiled on first use and loaded with ctypes.
 
 They are compiled with the machine's C compiler (``$CC``, else ``cc``/``gcc``) into ``$AAREN_HF_CACHE/kernels``
 (default ``~/.cache/aaren_hf/kernels``), keyed by the sources, the flags and the CPU: no build step at install, no
 Python headers. ``AAREN_BACKEND=torch`` (or ``naive``) turns them off; without a compiler, or where it fails, a
-warning says so once and the mixer runs its PyTorch step (each kernel's reference).
+warning says so once and the model runs the PyTorch code (each kernel's reference).
 """
 
 from __future__ import annotations
@@ -77,8 +77,8 @@ def load(name: str, sources: tuple, signatures: dict, instead: str):
         global _said_no_compiler
         if not _said_no_compiler:  # once for all the kernels
             _said_no_compiler = True
-            warnings.warn("aaren_hf: no C compiler (set CC, or install gcc): decoding on the CPU runs the PyTorch "
-                          "steps, about half as fast", stacklevel=3)
+            warnings.warn("aaren_hf: no C compiler (set CC, or install gcc): on the CPU the model runs its PyTorch "
+                          "code, decoding about half as fast", stacklevel=3)
         return None
     errors = []
     for flags in (FLAGS + NATIVE, FLAGS):
@@ -97,7 +97,7 @@ def load(name: str, sources: tuple, signatures: dict, instead: str):
             getattr(lib, function).restype, getattr(lib, function).argtypes = restype, argtypes
         _loaded[name] = lib
         return lib
-    warnings.warn(f"aaren_hf: could not build {where} with {cc} ({'; '.join(errors)}): decoding on the CPU runs "
+    warnings.warn(f"aaren_hf: could not build {where} with {cc} ({'; '.join(errors)}): on the CPU the model runs "
                   f"{instead}", stacklevel=3)
     return None
 

@@ -9,7 +9,9 @@ import torch.nn.functional as F
 
 from aaren_hf import AarenCache, AarenConfig, AarenForCausalLM
 from aaren_hf.aaren_scan import chunk_aaren_torch, recurrent_aaren_torch
+from aaren_hf import modeling_aaren as modeling
 from aaren_hf.configuration_aaren import AAREN_FORMAT_VERSION
+from aaren_hf.kernels import memory as memory_kernel
 from aaren_hf.modeling_aaren import AarenLayerState, AarenMixer, memory_seen, memory_visibility
 from helpers import (
     MIXER_CASES,
@@ -319,10 +321,13 @@ def test_mixer_matches_brute_force_reference(case):
     assert (want[0, 1:] - want[0, :-1]).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("shared_keys", [True, False])
 @pytest.mark.parametrize("window,sinks,split", [(4, 0, 6), (4, 2, 6), (3, 3, 1), (5, 2, 9), (16, 2, 4)])
-def test_window_branch_matches_brute_force(window, sinks, split):
+def test_window_branch_matches_brute_force(window, sinks, split, shared_keys, monkeypatch):
     """window_attention (through the mixer's window branch) vs a T x T masked softmax, also when the sequence
-    arrives in two calls with the window and sinks carried in the cache. Left padding in row 1; GQA (4 q / 2 kv)."""
+    arrives in two calls with the window and sinks carried in the cache. Left padding in row 1; GQA (4 q / 2 kv).
+    shared_keys False: the attention call of torch < 2.5 (keys repeated per query head)."""
+    monkeypatch.setattr(modeling, "_SDPA_SHARES_KEYS", shared_keys)
     config = tiny_config(window_size=window, num_sink_tokens=sinks, num_key_value_heads=2, partial_rotary_factor=0.5)
     mixer = tiny_model(window_size=window, num_sink_tokens=sinks, num_key_value_heads=2,
                        partial_rotary_factor=0.5).model.layers[0].mixer
@@ -385,16 +390,23 @@ def test_memory_matches_brute_force(window, sinks, memory, splits):
     assert (flipped - want).abs().max() > 1e-2
 
 
-def test_memory_visibility_equals_ranking_every_query_by_brute_force():
-    """The sweep behind the memory (blocks carrying the top set, never C x C) against its definition: each query
-    sees, per kv head, the M best (score, then newer) real candidates that have left its window. Held entries
-    first (some empty), left padding, sinks, scores with many ties, block sizes from 1 up."""
+@pytest.mark.parametrize("ranking", ["sweep", "c"])
+def test_memory_visibility_equals_ranking_every_query_by_brute_force(ranking, monkeypatch):
+    """The ranking behind the memory against its definition: each query sees, per kv head, the M best (score, then
+    newer) real candidates that have left its window. Held entries first (some empty), left padding, sinks, scores
+    with many ties. "sweep": the PyTorch reference (blocks carrying the top set, never C x C), block sizes from 1 up;
+    "c": the heap of kernels/memory/evict.c, which serves CPUs."""
+    if ranking == "sweep":
+        monkeypatch.setattr(modeling, "memory_evict_cpu", None)
+    elif modeling.memory_evict_cpu is None or memory_kernel.memory_evict_cpu(
+            torch.zeros(1, 1, 1, dtype=torch.long), torch.zeros(1, 1, 1), 1, 0, 1) is None:
+        pytest.skip("no C compiler: the sweep serves CPUs too")
     g = torch.Generator().manual_seed(0)
     for trial in range(60):
         B, Hkv = 2, 2
         T, P = int(torch.randint(1, 30, (1,), generator=g)), int(torch.randint(0, 5, (1,), generator=g))
         first = int(torch.randint(0, 6, (1,), generator=g))
-        W, S, M = (int(torch.randint(lo, hi, (1,), generator=g)) for lo, hi in ((1, 8), (0, 3), (1, 7)))
+        W, S, M = (int(torch.randint(lo, hi, (1,), generator=g)) for lo, hi in ((1, 8), (0, 3), (0, 7)))
         C = first + P + T
         pos = (torch.arange(C) - first + 10).expand(B, Hkv, C).clone()
         pos[:, :, :first] = torch.randperm(10, generator=g)[:first] - 1  # held entries: older, -1 = empty slot
