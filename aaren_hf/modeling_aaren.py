@@ -297,15 +297,17 @@ def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sin
     nblk = -(-T // Q)
     Tp, L = nblk * Q, W - 1 + Q
     right = Tp + W - 1 - k_all.shape[1]
-    # keys and values S dimensions wider, zero there: the sinks' scores ride in them (below)
-    k_all = F.pad(k_all, (0, S, 0, 0, 0, right))
-    v_all = F.pad(v_all, (0, S, 0, 0, 0, right))
+    # keys and values wider by S dimensions, zero there, in which the sinks' scores ride (below); rounded up to a
+    # multiple of 8, a width every fused attention kernel takes
+    Dx = -(-(D + S) // 8) * 8
+    k_all = F.pad(k_all, (0, Dx - D, 0, 0, 0, right))
+    v_all = F.pad(v_all, (0, Dx - D, 0, 0, 0, right))
     pos_all = F.pad(pos_all, (0, right), value=-1)
     pb = pos_all.unfold(1, L, Q)  # [B, n, L]
     qpos = F.pad(pos, (0, Tp - T), value=-1)
     qp = F.pad(q, (0, 0, 0, 0, 0, Tp - T))
     # queries [B, n, Hkv, G, Q, D]; keys and values of the window (then of the memory, then the sinks)
-    # [B, n, Hkv, keys, D + S]: one attention call per (block, kv head) serves its G query heads
+    # [B, n, Hkv, keys, Dx]: one attention call per (block, kv head) serves its G query heads
     qw = rotate(qp, qpos.clamp(min=0), inv_freq).float().view(B, nblk, Q, Hkv, G, D).permute(0, 1, 3, 4, 2, 5)
     keys, values = [k_all.unfold(1, L, Q).transpose(-1, -2)], [v_all.unfold(1, L, Q).transpose(-1, -2)]
     qpos = qpos.view(B, nblk, Q)
@@ -315,8 +317,8 @@ def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sin
     valid = [(band & (pb.unsqueeze(2) >= 0) & (qpos.unsqueeze(-1) >= 0)).unsqueeze(2).expand(B, nblk, Hkv, Q, L)]
     if memory is not None:
         mem_keys, mem_values, evict, last = memory
-        if S > 0:
-            mem_keys, mem_values = F.pad(mem_keys, (0, S)), F.pad(mem_values, (0, S))
+        if Dx > D:
+            mem_keys, mem_values = F.pad(mem_keys, (0, Dx - D)), F.pad(mem_values, (0, Dx - D))
         mem_k, mem_v, mem_visible = _memory_blocks(mem_keys, mem_values, evict, last, pos >= 0, nblk, Q)
         keys.append(mem_k)
         values.append(mem_v)
@@ -324,18 +326,19 @@ def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sin
     # a padding query (nothing valid) sees every key, so that its softmax stays finite; its output is zeroed below
     query_valid = qpos >= 0  # [B, n, Q]
     valid = (torch.cat(valid, -1) if len(valid) > 1 else valid[0]) | ~query_valid.view(B, nblk, 1, Q, 1)
-    Dx = D + S
     if S > 0:
         # sinks are seen from position min(p, S + W - 1), by queries rotated there, so their scores are not q . k:
         # computed apart, they ride in S more query dimensions, which only the S sink keys read (one-hot there)
         qs_pos = qpos.reshape(B, Tp).clamp(min=0, max=S + W - 1)
         qs = rotate(qp, qs_pos, inv_freq).float().view(B, nblk, Q, Hkv, G, D).permute(0, 1, 3, 4, 2, 5)
         qw = torch.cat([qw, torch.matmul(qs, sink_k.float().permute(0, 2, 3, 1).view(B, 1, Hkv, 1, D, S))], -1)
-        keys.append(F.pad(torch.eye(S, device=q.device), (D, 0)).expand(B, nblk, Hkv, S, Dx))
-        values.append(F.pad(sink_v.transpose(1, 2), (0, S)).unsqueeze(1).expand(B, nblk, Hkv, S, Dx))
+        keys.append(F.pad(torch.eye(S, device=q.device), (D, Dx - D - S)).expand(B, nblk, Hkv, S, Dx))
+        values.append(F.pad(sink_v.transpose(1, 2), (0, Dx - D)).unsqueeze(1).expand(B, nblk, Hkv, S, Dx))
         sp = sink_pos.view(B, 1, 1, S)
         sink_valid = (sp >= 0) & (sp <= qpos.unsqueeze(-1) - W) & (qpos.unsqueeze(-1) >= 0)  # [B, n, Q, S]
         valid = torch.cat([valid, sink_valid.unsqueeze(2).expand(B, nblk, Hkv, Q, S)], -1)
+    if Dx > qw.shape[-1]:
+        qw = F.pad(qw, (0, Dx - qw.shape[-1]))
     kx, vx = (torch.cat(parts, 3).float() if len(parts) > 1 else parts[0].float() for parts in (keys, values))
     Lk = valid.shape[-1]
     # the mask as an additive bias, one for the G query heads of a kv head (-inf, not the lowest float: exp of that
