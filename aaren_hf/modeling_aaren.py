@@ -476,7 +476,8 @@ class MemoryCodes:
         """(:meth:`round` of x, :meth:`encode` of x): for a caller that stores the codes too."""
         x = x.float()
         coded = self.encode(x.detach())
-        return self.decode(*coded) + (x - x.detach()), coded
+        back = self.decode(*coded)
+        return (back + (x - x.detach()) if x.requires_grad else back), coded
 
 
 def _autocast_on(device_type: str) -> bool:
