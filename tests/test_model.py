@@ -577,6 +577,20 @@ def test_hadamard_codes_are_the_reference_codes_and_read_back_exactly(D):
             assert (back - x).norm() < (0.5 if D >= 64 else 0.9) * (plain - x).norm()
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_memory_codes_pass_gradients_straight_through(bits):
+    """Training reads the memory's rounded keys and values: the gradient reaches x as if there were no rounding; without
+    a gradient the same values come back."""
+    from aaren_hf.modeling_aaren import MemoryCodes
+
+    codes = MemoryCodes(bits, rotate=True)
+    x = torch.randn(5, 16, generator=torch.Generator().manual_seed(bits), requires_grad=True)
+    weight = torch.randn(5, 16, generator=torch.Generator().manual_seed(1))
+    (codes.round(x) * weight).sum().backward()
+    torch.testing.assert_close(x.grad, weight)
+    assert torch.equal(codes.round(x).detach(), codes.round(x.detach()))
+
+
 def test_memory_codes_are_the_configs_and_refuse_other_widths(monkeypatch):
     """One quantizer object per config (what the mixer and the coded baselines share); bad widths are refused; the
     autocast query also works on torch < 2.4, whose is_autocast_enabled takes no device (a Hub user's torch)."""
