@@ -29,14 +29,15 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from .aaren_scan import aaren_step, chunk_aaren_mixed, chunk_aaren_torch, empty_state, recurrent_aaren_torch
 from .configuration_aaren import AarenConfig
 
-try:  # Triton kernels on CUDA and the C decode steps on CPUs, when this package is installed; the PyTorch code in
-    # this file serves everywhere else (a checkpoint's own copy of it: nothing else to install)
+try:  # Triton kernels on CUDA and the C kernels on CPUs, when this package is installed; the PyTorch code in this
+    # file serves everywhere else (a checkpoint's own copy of it: nothing else to install)
     from aaren_hf.kernels import chunk_aaren, fused_recurrent_aaren
+    from aaren_hf.kernels.aaren import aaren_scan_cpu
     from aaren_hf.kernels.memory import memory_evict_cpu
     from aaren_hf.kernels.mixer import mixer_step_cpu
 except ImportError:
     chunk_aaren, fused_recurrent_aaren = chunk_aaren_torch, recurrent_aaren_torch
-    memory_evict_cpu = mixer_step_cpu = None
+    aaren_scan_cpu = memory_evict_cpu = mixer_step_cpu = None
 
 
 # Prompts longer than this go through the model in pieces of this many tokens when a cache is kept (prefill).
@@ -756,10 +757,14 @@ class AarenMixer(nn.Module):
             mix = torch.matmul(q.float().transpose(1, 2), self.queries.float().transpose(1, 2)).transpose(1, 2)
             mix = torch.softmax(mix * self.scale, -1)
         if not v.is_cuda and not decoding_on_cpu:
-            # the PyTorch scan: slots mixed inside each chunk, each kv head's values read once for its query heads
+            # slots mixed, each kv head's values read once for its query heads: without gradients token after token
+            # in C (a few small loops per token), else the chunked PyTorch scan (its reference)
             if mix is None:
                 mix = v.new_ones(B, T, H, 1, dtype=torch.float32)
-            o, final = chunk_aaren_mixed(s, v, mix, g, carried, state is not None, chunk_size=self.chunk_size)
+            scanned = None if aaren_scan_cpu is None else aaren_scan_cpu(s, v, mix, g, carried, state is not None)
+            if scanned is None:
+                scanned = chunk_aaren_mixed(s, v, mix, g, carried, state is not None, chunk_size=self.chunk_size)
+            o, final = scanned
         else:
             if not v.is_cuda:
                 # decoding on the CPU, where a step costs its number of ops: the scan's step applied to the state,

@@ -11,7 +11,9 @@ The one-token decode step on a CPU is one C call per layer (``mixer/``; referenc
 decode path), compiled on first use (``cbuild.py``) from ``aaren/step.c`` (the Aaren branch: slot scores, mix, decay
 and the scan's step; reference: the PyTorch step in ``AarenMixer.aaren_output``), ``window/step.c`` (the window
 branch; reference: ``AarenMixer.window_step``) and ``mixer/step.c`` (the retention score and the gate between them).
-The memory's ranking in a prefill is ``memory/evict.c`` (reference: the block sweep of ``memory_visibility``).
+In a prefill without gradients the scan runs token after token in C (``aaren.aaren_scan_cpu``, ``aaren/step.c``;
+reference: ``aaren_scan.chunk_aaren_mixed``) and the memory's ranking is ``memory/evict.c`` (reference: the block
+sweep of ``memory_visibility``).
 """
 
 import functools

@@ -175,7 +175,9 @@ def test_fresh_process_loads_remote_code_and_generates_same_tokens(saved, fresh_
     assert report["tokens"] == expected[name + "_tokens"].tolist()
     assert report["cache"] == "AarenCache"
     assert report["tied"] == (name == "tied")
-    assert report["hidden_max_diff"] < 1e-6
+    # the checkpoint's own copy runs the PyTorch code only, where this package runs its C kernels on a CPU (the
+    # prompt's scan: the same to float rounding)
+    assert report["hidden_max_diff"] < 1e-5
     assert fresh_process["aaren_hf_modules"] == []
 
 

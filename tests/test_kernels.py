@@ -309,6 +309,60 @@ def test_chunk_aaren_mixed_equals_the_scan_per_slot_then_mixed(case):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
 
 
+@pytest.mark.parametrize("case", MIXED_CASES, ids=lambda c: "B{}-T{}-Hkv{}-G{}-J{}-D{}-C{}-decay{}-h0{}".format(*c))
+@pytest.mark.parametrize("score_scale", [3.0, 1e4])
+def test_aaren_scan_cpu_equals_chunk_aaren_mixed(case, score_scale):
+    """The C prefill scan (kernels/aaren/step.c, aaren_scan_mixed) against its reference chunk_aaren_mixed in
+    float64: outputs and final state, padding at the start of row 0, one op head of row 1 masked throughout, scores up
+    to 1e4; the caller's initial state untouched."""
+    from aaren_hf.kernels.aaren import aaren_scan_cpu
+
+    B, T, Hkv, G, J, D, C, decay, h0 = case
+    HJ = Hkv * G * J
+    gen = torch.Generator().manual_seed(11)
+    rnd = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    s = rnd(B, T, HJ) * score_scale
+    s[0, : min(3, T)] = float("-inf")
+    if B > 1:
+        s[1, :, 0] = float("-inf")
+    v, mix = rnd(B, T, Hkv, D), torch.softmax(rnd(B, T, Hkv * G, J), -1)
+    g = F.logsigmoid(2 * rnd(B, T, HJ) + 1).masked_fill(torch.isinf(s), 0.0) if decay else None
+    st = (rnd(B, HJ, D), rnd(B, HJ)) if h0 else None
+    kept = None if st is None else tuple(t.clone() for t in st)
+    with torch.no_grad():
+        got = aaren_scan_cpu(s, v, mix, g, st, True)
+    if got is None:
+        pytest.skip("no C compiler")
+    out, final = got
+    f64 = lambda t: None if t is None else t.double()  # noqa: E731
+    want, want_final = chunk_aaren_mixed(f64(s), f64(v), f64(mix), f64(g), None if st is None else tuple(map(f64, st)),
+                                         True, chunk_size=C)
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(final[0].double(), want_final[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(final[1].double(), want_final[1], atol=1e-5 * score_scale, rtol=1e-6)
+    if st is not None:
+        assert all(torch.equal(a, b) for a, b in zip(st, kept))
+    with torch.no_grad():
+        assert aaren_scan_cpu(s, v, mix, g, st, False)[1] is None
+
+
+def test_aaren_scan_cpu_declines_where_its_reference_runs(monkeypatch):
+    """Gradients wanted, float64, or the C kernels turned off (AAREN_BACKEND=torch): None, so the model runs the
+    chunked PyTorch scan."""
+    from aaren_hf.kernels.aaren import aaren_scan_cpu
+
+    s, v, mix = torch.randn(1, 5, 4), torch.randn(1, 5, 1, 8), torch.full((1, 5, 2, 2), 0.5)
+    with torch.no_grad():
+        if aaren_scan_cpu(s, v, mix) is None:
+            pytest.skip("no C compiler")
+        assert aaren_scan_cpu(s.double(), v.double(), mix.double()) is None
+    assert aaren_scan_cpu(s.requires_grad_(), v, mix) is None
+    monkeypatch.setenv("AAREN_BACKEND", "torch")
+    with torch.no_grad():
+        assert aaren_scan_cpu(s, v, mix) is None
+
+
 @needs_triton
 def test_interpreter_after_compiled_import():
     """triton imported (compiled mode) before TRITON_INTERPRET=1 is set, as when other test files import it first:

@@ -104,9 +104,10 @@ def test_decode_step_equals_general_path(case, kv_cache_dtype, monkeypatch):
 
     monkeypatch.setattr(AarenMixer, "window_step", counted("window", AarenMixer.window_step))
     monkeypatch.setattr(modeling, "aaren_step", counted("aaren", modeling.aaren_step))
-    # the PyTorch steps, whose Aaren state is the general path's bit for bit (the C step's is to float rounding:
-    # test_mixer_step_kernel.py)
+    # the PyTorch steps and prompt scan, whose Aaren state is the general path's bit for bit (the C kernels' is to
+    # float rounding: test_mixer_step_kernel.py, test_kernels.py)
     monkeypatch.setattr(modeling, "mixer_step_cpu", None)
+    monkeypatch.setattr(modeling, "aaren_scan_cpu", None)
     B, T, prompt = 3, 19, 2
     x = torch.randn(B, T, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
     mask = torch.ones(B, T, dtype=torch.bool)
@@ -146,6 +147,43 @@ def test_a_state_made_under_inference_mode_decodes_outside_it():
             logits[name] = torch.cat([model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits
                                       for t in range(16, 24)], 1)
     assert torch.equal(logits["inference_mode"], logits["no_grad"])
+
+
+@pytest.mark.parametrize("case", ["paper", "slots3", "decay_input", "gqa_slots_window", "memory_gate_input_decay"])
+def test_prompt_scan_in_c_equals_the_chunked_scan(case, monkeypatch):
+    """A prompt without gradients takes the C scan (kernels/aaren/step.c, aaren_scan_mixed); with it off, the chunked
+    PyTorch scan: the same logits and cache to float rounding (left padding in row 1, a carried state in the second
+    piece)."""
+    scan, ran = modeling.aaren_scan_cpu, []
+    if scan is None:
+        pytest.skip("aaren_hf.kernels is not importable")
+
+    def counted(*args):
+        result = scan(*args)
+        ran.append(result is not None)
+        return result
+
+    monkeypatch.setattr(modeling, "aaren_scan_cpu", counted)
+    model = tiny_model(**MIXER_CASES[case])
+    ids, mask = random_ids(2, 21), torch.ones(2, 21, dtype=torch.long)
+    mask[1, :5] = 0
+    runs = {}
+    for name in ("c", "chunked"):
+        if name == "chunked":
+            monkeypatch.setattr(modeling, "aaren_scan_cpu", None)
+        cache = AarenCache(model.config)
+        with torch.no_grad():
+            first = model(ids[:, :13], attention_mask=mask[:, :13], past_key_values=cache, use_cache=True).logits
+            second = model(ids[:, 13:], attention_mask=mask, past_key_values=cache, use_cache=True).logits
+        runs[name] = (torch.cat([first, second], 1), [memory_as_a_set(layer.tensors()) for layer in cache.layers])
+    if not any(ran):
+        pytest.skip("no C compiler")
+    assert all(ran) and len(ran) == 2 * model.config.num_hidden_layers
+    torch.testing.assert_close(runs["c"][0], runs["chunked"][0], atol=1e-5, rtol=1e-5)
+    for got, want in zip(runs["c"][1], runs["chunked"][1]):
+        assert got.keys() == want.keys()
+        for name in got:
+            torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-5, msg=name)
 
 
 def memory_as_a_set(state: dict) -> dict:

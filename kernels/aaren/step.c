@@ -14,7 +14,12 @@
  *
  * The reference's operations in its order, but expf/logf here are not PyTorch's vectorised exp/log, which differ in
  * the last bit now and then: the state equals the reference's to float rounding, not bit for bit (nothing here is
- * ranked, unlike the window step's memory). tests/test_aaren_step_kernel.py checks it.
+ * ranked, unlike the window step's memory). tests/test_mixer_step_kernel.py checks it.
+ *
+ * aaren_scan_mixed is the same step over a prompt, token after token, for a prefill without gradients: given the
+ * masked scores, decays and slot mix the model computed (what aaren_scan.chunk_aaren_mixed takes, its reference), it
+ * costs O(T) small loops where the chunked scan builds C x C weight matrices per chunk and op head.
+ * tests/test_kernels.py checks it against that reference.
  */
 #include <float.h>
 #include <math.h>
@@ -36,6 +41,28 @@ static inline float lerp(float a, float b, float w) {
 /* torch.nn.functional.softplus (beta 1, threshold 20) */
 static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
+/* One op head takes a token: its state (o [D], lse), decayed by g where `decayed`, and the token's value v [D] with
+ * score sc, merged: l = lse + g; m = max(l, sc); o <- lerp(o, v, b / w), lse <- m + log(w). In place when
+ * o_new = o. */
+static inline void fold(float *o_new, float *lse_new, const float *o, float lse, const float *v, float sc, float g,
+                        int decayed, int D) {
+    const float l = decayed ? lse + g : lse;
+    const float m = fmaxf(l, sc);
+    const float m_safe = fmaxf(m, -FLT_MAX); /* both empty: exp(-inf) = 0, never -inf - -inf */
+    const float wa = expf(l - m_safe), wb = expf(sc - m_safe);
+    const float w = fmaxf(wa + wb, 1.0f);
+    const float share = wb / w;
+    for (int d = 0; d < D; d++) o_new[d] = lerp(o[d], v[d], share);
+    *lse_new = m + logf(w);
+}
+
+/* out [D] = sum_j share[j] * slots[j] ([J, D]) */
+static inline void mix_slots(float *out, const float *slots, const float *share, int J, int D) {
+    for (int d = 0; d < D; d++) out[d] = 0.0f;
+    for (int j = 0; j < J; j++)
+        for (int d = 0; d < D; d++) out[d] += share[j] * slots[(int64_t)j * D + d];
+}
+
 /* decay: 0 none, 1 a rate per op head (exp(log_decay)), 2 that rate times softplus(decay_in) / log 2.
  * q [B, H, D] (NULL when J = 1), k and v [B, Hkv, D], keep [B] (1: a real token; NULL: all are), queries [H, J, D],
  * log_decay [H J], decay_in [B, H J], state o_in [B, H J, D] and lse_in [B, H J]; writes o_new, lse_new, the masked
@@ -55,21 +82,12 @@ int aaren_branch_step(int B, int H, int Hkv, int D, int J, int decay, float scal
             const float *vv = v + ((int64_t)b * Hkv + hj / GJ) * D;
             float sc = real ? dot(k + ((int64_t)b * Hkv + hj / GJ) * D, queries + (int64_t)hj * D, D) * scale
                             : -INFINITY;
-            float l = lse_in[row];
+            float g = 0.0f;
             if (decay && real) {
-                float g = -expf(log_decay[hj]);
+                g = -expf(log_decay[hj]);
                 if (decay == 2) g = g * softplus(decay_in[row]) / ln2;
-                l = l + g;
             }
-            const float m = fmaxf(l, sc);
-            const float m_safe = fmaxf(m, -FLT_MAX); /* both empty: exp(-inf) = 0, never -inf - -inf */
-            const float wa = expf(l - m_safe), wb = expf(sc - m_safe);
-            const float w = fmaxf(wa + wb, 1.0f);
-            const float share = wb / w;
-            const float *o = o_in + row * D;
-            float *on = o_new + row * D;
-            for (int d = 0; d < D; d++) on[d] = lerp(o[d], vv[d], share);
-            lse_new[row] = m + logf(w);
+            fold(o_new + row * D, lse_new + row, o_in + row * D, lse_in[row], vv, sc, g, decay && real, D);
             s[row] = sc;
         }
         for (int h = 0; h < H; h++) {
@@ -85,10 +103,36 @@ int aaren_branch_step(int B, int H, int Hkv, int D, int J, int decay, float scal
                 top = fmaxf(top, mix[j]);
             }
             for (int j = 0; j < J; j++) total += (mix[j] = expf(mix[j] - top));
-            for (int d = 0; d < D; d++) oh[d] = 0.0f;
-            for (int j = 0; j < J; j++) {
-                const float share = mix[j] / total;
-                for (int d = 0; d < D; d++) oh[d] += share * slots[(int64_t)j * D + d];
+            for (int j = 0; j < J; j++) mix[j] = mix[j] / total;
+            mix_slots(oh, slots, mix, J, D);
+        }
+    }
+    return 0;
+}
+
+/* s and g [B, T, H J] (g NULL: no decay; a padding token has s = -inf, g = 0), v [B, T, Hkv, D], mix [B, T, H, J]
+ * (rows summing to 1); the state o [B, H J, D] and lse [B, H J] enters as the carried one and leaves as the final
+ * one (written in place); out [B, T, H, D]. Returns 1 (writing nothing) for J > MAX_J. */
+int aaren_scan_mixed(int B, int T, int H, int Hkv, int D, int J, const float *s, const float *g, const float *v,
+                     const float *mix, float *o, float *lse, float *out) {
+    if (J > MAX_J) return 1;
+    const int HJ = H * J, GJ = HJ / Hkv;
+    for (int b = 0; b < B; b++) {
+        float *ob = o + (int64_t)b * HJ * D, *lb = lse + (int64_t)b * HJ;
+        for (int t = 0; t < T; t++) {
+            const int64_t bt = (int64_t)b * T + t;
+            const float *st = s + bt * HJ, *gt = g ? g + bt * HJ : 0, *vt = v + bt * Hkv * D;
+            for (int hj = 0; hj < HJ; hj++)
+                fold(ob + (int64_t)hj * D, lb + hj, ob + (int64_t)hj * D, lb[hj], vt + (int64_t)(hj / GJ) * D,
+                     st[hj], gt ? gt[hj] : 0.0f, gt != 0, D);
+            for (int h = 0; h < H; h++) {
+                float *oh = out + (bt * H + h) * D;
+                const float *slots = ob + (int64_t)h * J * D;
+                if (J == 1) {
+                    for (int d = 0; d < D; d++) oh[d] = slots[d];
+                } else {
+                    mix_slots(oh, slots, mix + (bt * H + h) * J, J, D);
+                }
             }
         }
     }
