@@ -1,4 +1,5 @@
 """Aaren scan kernels: ``naive_aaren`` (reference, plain PyTorch) and the Triton kernels.
+
 The Triton ones are imported on first use, so that this package imports without triton installed.
 
 ``aaren_scan_cpu``: the model's read of the scan (slots mixed, values shared per kv head) over a prompt on a CPU
@@ -24,8 +25,9 @@ def aaren_scan_cpu(s, v, mix, g=None, initial_state=None, output_final_state=Fal
     rounding) as one C call: s [B, T, H*J] with -inf at padding, v [B, T, Hkv, D], mix [B, T, H, J], g like s or
     None (0 at padding), state per op head. None where it does not apply: gradients wanted, not on a CPU, float64,
     no compiler (then the caller runs the reference)."""
-    if (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (s, v, mix, g, *(initial_state or ())))
-            or v.is_cuda or torch.float64 in (s.dtype, v.dtype)):
+    tensors = (s, v, mix, g, *(initial_state or ()))
+    wants_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    if wants_grad or v.is_cuda or torch.float64 in (s.dtype, v.dtype):
         return None
     lib = load("aaren_scan", SOURCES, SIGNATURES, "the chunked PyTorch scan")
     if lib is None:
