@@ -35,8 +35,9 @@ def aaren_scan_cpu(s, v, mix, g=None, initial_state=None, output_final_state=Fal
     B, T, Hkv, D = v.shape
     H, J = mix.shape[2], mix.shape[3]
     if initial_state is None:
-        o = torch.zeros(B, H * J, D)
-        lse = torch.full((B, H * J), float("-inf"))
+        from aaren_hf.aaren_scan import empty_state  # on first use, as chunk.py does: see kernels/__init__.py
+
+        o, lse = empty_state(B, H * J, D)
     else:  # the caller's state is left as it was
         o, lse = (t.float().clone(memory_format=torch.contiguous_format) for t in initial_state)
     s_, v_, mix_ = dense(s.float()), dense(v.float()), dense(mix.float())

@@ -56,8 +56,12 @@ static inline void fold(float *o_new, float *lse_new, const float *o, float lse,
     *lse_new = m + logf(w);
 }
 
-/* out [D] = sum_j share[j] * slots[j] ([J, D]) */
+/* out [D] = sum_j share[j] * slots[j] ([J, D]); the one slot as it is for J = 1 (share unread) */
 static inline void mix_slots(float *out, const float *slots, const float *share, int J, int D) {
+    if (J == 1) {
+        for (int d = 0; d < D; d++) out[d] = slots[d];
+        return;
+    }
     for (int d = 0; d < D; d++) out[d] = 0.0f;
     for (int j = 0; j < J; j++)
         for (int d = 0; d < D; d++) out[d] += share[j] * slots[(int64_t)j * D + d];
@@ -94,7 +98,7 @@ int aaren_branch_step(int B, int H, int Hkv, int D, int J, int decay, float scal
             float *oh = out + ((int64_t)b * H + h) * D;
             const float *slots = o_new + ((int64_t)b * HJ + (int64_t)h * J) * D;
             if (J == 1) {
-                for (int d = 0; d < D; d++) oh[d] = slots[d];
+                mix_slots(oh, slots, 0, 1, D);
                 continue;
             }
             float mix[MAX_J], top = -INFINITY, total = 0.0f;
@@ -127,12 +131,7 @@ int aaren_scan_mixed(int B, int T, int H, int Hkv, int D, int J, const float *s,
                      st[hj], gt ? gt[hj] : 0.0f, gt != 0, D);
             for (int h = 0; h < H; h++) {
                 float *oh = out + (bt * H + h) * D;
-                const float *slots = ob + (int64_t)h * J * D;
-                if (J == 1) {
-                    for (int d = 0; d < D; d++) oh[d] = slots[d];
-                } else {
-                    mix_slots(oh, slots, mix + (bt * H + h) * J, J, D);
-                }
+                mix_slots(oh, ob + (int64_t)h * J * D, mix + (bt * H + h) * J, J, D);
             }
         }
     }
