@@ -13,6 +13,7 @@ Nothing grows with the context.
 import copy
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Optional
 
 import torch
@@ -307,48 +308,58 @@ def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sin
     pb = pos_all.unfold(1, L, Q)  # [B, n, L]
     qpos = F.pad(pos, (0, Tp - T), value=-1)
     qp = F.pad(q, (0, 0, 0, 0, 0, Tp - T))
-    # queries [B, n, Hkv, G, Q, D]; keys and values of the window (then of the memory, then the sinks)
+    # queries [B, n, Hkv, G, Q, Dx]; keys and values of the window, then of the memory, then the sinks
     # [B, n, Hkv, keys, Dx]: one attention call per (block, kv head) serves its G query heads
-    qw = rotate(qp, qpos.clamp(min=0), inv_freq).float().view(B, nblk, Q, Hkv, G, D).permute(0, 1, 3, 4, 2, 5)
-    keys, values = [k_all.unfold(1, L, Q).transpose(-1, -2)], [v_all.unfold(1, L, Q).transpose(-1, -2)]
+    qw = q.new_zeros(B, nblk, Hkv, G, Q, Dx, dtype=torch.float32)
+    qw[..., :D] = rotate(qp, qpos.clamp(min=0), inv_freq).view(B, nblk, Q, Hkv, G, D).permute(0, 1, 3, 4, 2, 5)
+    # every key and value a block reads is a row of one small table (the window's [B, T', Hkv] rows, the memory's
+    # [B, Hkv, C], the sinks' [B, Hkv, S]) that one index_select copies into place: the largest tensors of a prefill
+    # are written once, with no per-part copies to concatenate
+    arange = partial(torch.arange, device=q.device)
+    table_k, table_v = [k_all.float().reshape(-1, Dx)], [v_all.float().reshape(-1, Dx)]
+    rows = [(arange(B).view(B, 1, 1, 1) * k_all.shape[1] + arange(nblk).view(1, nblk, 1, 1) * Q
+             + arange(L).view(1, 1, 1, L)) * Hkv + arange(Hkv).view(1, 1, Hkv, 1)]
     qpos = qpos.view(B, nblk, Q)
-    r = torch.arange(Q, device=q.device).view(Q, 1)
-    c = torch.arange(L, device=q.device).view(1, L)
-    band = (c >= r) & (c <= r + W - 1)
-    valid = [(band & (pb.unsqueeze(2) >= 0) & (qpos.unsqueeze(-1) >= 0)).unsqueeze(2).expand(B, nblk, Hkv, Q, L)]
+    query_valid = qpos >= 0  # [B, n, Q]
+    # a padding query sees every key of the window and the memory, so that its softmax stays finite; its output is
+    # zeroed below
+    padding = ~query_valid.view(B, nblk, 1, Q, 1)
+    band = (arange(L).view(1, L) >= arange(Q).view(Q, 1)) & (arange(L).view(1, L) <= arange(Q).view(Q, 1) + W - 1)
+    seen = [(band & (pb.unsqueeze(2) >= 0)).unsqueeze(2) | padding]  # [B, n, 1, Q, L]: the same for every kv head
     if memory is not None:
         mem_keys, mem_values, evict, last = memory
-        if Dx > D:
-            mem_keys, mem_values = F.pad(mem_keys, (0, Dx - D)), F.pad(mem_values, (0, Dx - D))
-        mem_k, mem_v, mem_visible = _memory_blocks(mem_keys, mem_values, evict, last, pos >= 0, nblk, Q)
-        keys.append(mem_k)
-        values.append(mem_v)
-        valid.append(mem_visible)  # [B, n, Hkv, Q, K]
-    # a padding query (nothing valid) sees every key, so that its softmax stays finite; its output is zeroed below
-    query_valid = qpos >= 0  # [B, n, Q]
-    valid = (torch.cat(valid, -1) if len(valid) > 1 else valid[0]) | ~query_valid.view(B, nblk, 1, Q, 1)
+        mem_rows, mem_seen = _memory_blocks(evict, last, T, nblk, Q)
+        rows.append(mem_rows + table_k[0].shape[0])
+        table_k.append(F.pad(mem_keys.float(), (0, Dx - D)).reshape(-1, Dx))
+        table_v.append(F.pad(mem_values.float(), (0, Dx - D)).reshape(-1, Dx))
+        seen.append(mem_seen | padding)  # [B, n, Hkv, Q, K]
     if S > 0:
         # sinks are seen from position min(p, S + W - 1), by queries rotated there, so their scores are not q . k:
         # computed apart, they ride in S more query dimensions, which only the S sink keys read (one-hot there)
         qs_pos = qpos.reshape(B, Tp).clamp(min=0, max=S + W - 1)
         qs = rotate(qp, qs_pos, inv_freq).float().view(B, nblk, Q, Hkv, G, D).permute(0, 1, 3, 4, 2, 5)
-        qw = torch.cat([qw, torch.matmul(qs, sink_k.float().permute(0, 2, 3, 1).view(B, 1, Hkv, 1, D, S))], -1)
-        keys.append(F.pad(torch.eye(S, device=q.device), (D, Dx - D - S)).expand(B, nblk, Hkv, S, Dx))
-        values.append(F.pad(sink_v.transpose(1, 2), (0, Dx - D)).unsqueeze(1).expand(B, nblk, Hkv, S, Dx))
+        qw[..., D:D + S] = torch.matmul(qs, sink_k.float().permute(0, 2, 3, 1).view(B, 1, Hkv, 1, D, S))
+        rows.append(arange(B * Hkv * S).view(B, 1, Hkv, S) + sum(part.shape[0] for part in table_k))
+        table_k.append(F.pad(torch.eye(S, device=q.device), (D, Dx - D - S)).repeat(B * Hkv, 1))
+        table_v.append(F.pad(sink_v.float().transpose(1, 2), (0, Dx - D)).reshape(-1, Dx))
         sp = sink_pos.view(B, 1, 1, S)
-        sink_valid = (sp >= 0) & (sp <= qpos.unsqueeze(-1) - W) & (qpos.unsqueeze(-1) >= 0)  # [B, n, Q, S]
-        valid = torch.cat([valid, sink_valid.unsqueeze(2).expand(B, nblk, Hkv, Q, S)], -1)
-    if Dx > qw.shape[-1]:
-        qw = F.pad(qw, (0, Dx - qw.shape[-1]))
-    kx, vx = (torch.cat(parts, 3).float() if len(parts) > 1 else parts[0].float() for parts in (keys, values))
-    Lk = valid.shape[-1]
+        seen.append(((sp >= 0) & (sp <= qpos.unsqueeze(-1) - W) & query_valid.unsqueeze(-1)).unsqueeze(2))
+    rows = torch.cat([part.expand(B, nblk, Hkv, -1) for part in rows], -1)
+    Lk = rows.shape[-1]
+    kx, vx = (torch.cat(table).index_select(0, rows.flatten()) for table in (table_k, table_v))
     # the mask as an additive bias, one for the G query heads of a kv head (-inf, not the lowest float: exp of that
-    # underflows to denormals, several times slower on CPUs); fused attention (PyTorch's flash kernel on CPUs)
-    bias = torch.zeros(valid.shape, device=q.device).masked_fill_(~valid, float("-inf"))
-    out = _attention(qw.reshape(-1, G, Q, Dx), kx.reshape(-1, 1, Lk, Dx), vx.reshape(-1, 1, Lk, Dx),
+    # underflows to denormals, several times slower on CPUs), written part by part: no mask of the whole [.., Q, Lk]
+    # is ever built; fused attention (PyTorch's flash kernel on CPUs)
+    bias = torch.empty(B, nblk, Hkv, Q, Lk, device=q.device)
+    zero, minus_inf = torch.zeros((), device=q.device), torch.full((), float("-inf"), device=q.device)
+    start = 0
+    for part in seen:
+        torch.where(part.expand(B, nblk, Hkv, Q, -1), zero, minus_inf, out=bias[..., start:start + part.shape[-1]])
+        start += part.shape[-1]
+    out = _attention(qw.reshape(-1, G, Q, Dx), kx.view(-1, 1, Lk, Dx), vx.view(-1, 1, Lk, Dx),
                      bias.view(-1, 1, Q, Lk), scale)
-    out = out[..., :D].reshape(B, nblk, Hkv, G, Q, D).masked_fill(~query_valid.view(B, nblk, 1, 1, Q, 1), 0.0)
-    return out.permute(0, 1, 4, 2, 3, 5).reshape(B, Tp, H, D)[:, :T].to(q.dtype)
+    out = out.view(B, nblk, Hkv, G, Q, Dx)[..., :D].permute(0, 1, 4, 2, 3, 5).reshape(B, Tp, H, D)[:, :T]
+    return out.masked_fill((pos < 0).view(B, T, 1, 1), 0.0).to(q.dtype)  # not in place: out may view SDPA's own
 
 
 def _attention(q, k, v, bias, scale):
@@ -569,12 +580,12 @@ def memory_seen(evict, last):
     return (index <= last) & (last < evict.unsqueeze(-2))
 
 
-def _memory_blocks(keys, values, evict, last, query_valid, nblk, Q):
-    """Per block of Q queries, gather the candidates some query of the block sees: at most M + Q of them (the block
-    starts with at most M and each query adds at most the one token leaving its window). Returns keys and values
-    [B, n, Hkv, K, D] and visible [B, n, Hkv, Q, K]."""
+def _memory_blocks(evict, last, T, nblk, Q):
+    """Per block of Q queries (T in all), the candidates some query of the block sees: at most M + Q of them (the
+    block starts with at most M and each query adds at most the one token leaving its window). Returns their rows
+    [B, n, Hkv, K] in the candidates as rows [B * Hkv * C] (seen ones first) and visible [B, n, Hkv, Q, K] (padding
+    queries: whatever their position gives)."""
     B, Hkv, C = evict.shape
-    T = query_valid.shape[1]
     last = last[:T]
     # the block's queries have last indices lo..hi (last grows with the query): a candidate in the memory at any
     # index in between is in the block's set, a superset of what its real queries see
@@ -583,16 +594,11 @@ def _memory_blocks(keys, values, evict, last, query_valid, nblk, Q):
     seen = (index <= hi.view(-1, 1, 1)) & (evict.unsqueeze(1) > lo.view(-1, 1, 1))  # [B, n, Hkv, C]
     K = max(1, min(C, int(seen.sum(-1).max())))
     idx = torch.sort((~seen).to(torch.uint8), dim=-1, stable=True).indices[..., :K]  # seen candidates first
-    # candidates move as whole rows of [B * Hkv * C, D]: index_select copies rows, far faster than a gather
-    rows = (idx + torch.arange(0, B * Hkv * C, C, device=idx.device).view(B, 1, Hkv, 1)).flatten()
-    D = keys.shape[-1]
-    k = keys.reshape(-1, D).index_select(0, rows).view(B, nblk, Hkv, K, D)
-    v = values.reshape(-1, D).index_select(0, rows).view(B, nblk, Hkv, K, D)
+    # candidates move as whole rows: index_select copies rows, far faster than a gather
+    rows = idx + torch.arange(0, B * Hkv * C, C, device=idx.device).view(B, 1, Hkv, 1)
     q_last = F.pad(last, (0, nblk * Q - T), value=-1).view(nblk, 1, Q, 1)
-    ends = evict.reshape(-1).index_select(0, rows).view(B, nblk, Hkv, 1, K)
-    vis = (idx.unsqueeze(3) <= q_last) & (q_last < ends)
-    vis = vis & F.pad(query_valid, (0, nblk * Q - T)).view(B, nblk, 1, Q, 1)
-    return k, v, vis
+    ends = evict.reshape(-1).index_select(0, rows.flatten()).view(B, nblk, Hkv, 1, K)
+    return rows, (idx.unsqueeze(3) <= q_last) & (q_last < ends)
 
 
 # ----------------------------------------------------------------------------------------------------------------
