@@ -3,8 +3,10 @@ memory's ranking: ``memory/evict.c``), compiled on first use and loaded with cty
 
 They are compiled with the machine's C compiler (``$CC``, else ``cc``/``gcc``) into ``$AAREN_HF_CACHE/kernels``
 (default ``~/.cache/aaren_hf/kernels``), keyed by the sources, the flags and the CPU: no build step at install, no
-Python headers. ``AAREN_BACKEND=torch`` (or ``naive``) turns them off; without a compiler, or where it fails, a
-warning says so once and the model runs the PyTorch code (each kernel's reference).
+Python headers. Each load marks its library as used; a build of the same library that no load has used for
+``KEEP_DAYS`` (made from sources since edited, by another version of the package) is deleted when a new one is built.
+``AAREN_BACKEND=torch`` (or ``naive``) turns them off; without a compiler, or where it fails, a warning says so once
+and the model runs the PyTorch code (each kernel's reference).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 import warnings
 from pathlib import Path
 
@@ -23,6 +26,7 @@ from pathlib import Path
 FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"]
 NATIVE = ["-march=native"]
 
+KEEP_DAYS = 30  # a build unused this long is stale (another checkout on this machine marks its own when it loads)
 _loaded: dict = {}  # name -> library, or None once it could not be built
 _said_no_compiler = False
 
@@ -62,6 +66,24 @@ def _compile(cc: str, flags: list, sources: tuple, target: Path) -> None:
             os.unlink(tmp)
 
 
+def _prune(name: str, keep: Path) -> None:
+    """Delete the builds of library ``name`` other than ``keep`` that no load has marked for KEEP_DAYS."""
+    cutoff = time.time() - KEEP_DAYS * 86400
+    for old in keep.parent.glob(f"{name}-*.so"):
+        try:
+            if old != keep and old.stat().st_mtime < cutoff:
+                old.unlink()
+        except OSError:  # gone already (another process pruned it), or not ours to delete
+            pass
+
+
+def _mark_used(target: Path) -> None:
+    try:
+        os.utime(target)
+    except OSError:  # a read-only cache: nothing to prune there either
+        pass
+
+
 def load(name: str, sources: tuple, signatures: dict, instead: str):
     """``sources`` compiled (once per machine) into library ``name`` and loaded, its functions typed by ``signatures``
     ({function: (restype, argtypes)}); None when disabled or when it cannot be built (then, once, a warning that
@@ -86,8 +108,11 @@ def load(name: str, sources: tuple, signatures: dict, instead: str):
                              + " ".join([cc, *flags]).encode() + _cpu_key().encode())
         target = _cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
         try:
-            if not target.exists():
+            if target.exists():
+                _mark_used(target)
+            else:
                 _compile(cc, flags, sources, target)
+                _prune(name, target)
             lib = ctypes.CDLL(str(target))
         except (OSError, subprocess.SubprocessError) as error:
             stderr = getattr(error, "stderr", b"") or b""

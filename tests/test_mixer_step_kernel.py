@@ -181,3 +181,35 @@ def test_without_a_working_compiler_the_reference_runs(monkeypatch, tmp_path):
             out = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
             steps.append(out.logits)
     torch.testing.assert_close(torch.cat(steps, 1), full[:, 6:], atol=1e-4, rtol=0)
+
+
+def test_a_new_build_deletes_the_builds_no_load_used_for_keep_days(monkeypatch, tmp_path):
+    """Editing a kernel's sources leaves its old library in the cache: once a new build is made, the same library's
+    builds that no load has marked for KEEP_DAYS go; recent ones (another checkout's) and other libraries stay, and
+    loading a build marks it used."""
+    import os
+    import time
+
+    from aaren_hf.kernels import memory as memory_kernel
+
+    monkeypatch.setattr(cbuild, "_loaded", {})
+    monkeypatch.setenv("AAREN_HF_CACHE", str(tmp_path))
+    folder = tmp_path / "kernels"
+    folder.mkdir()
+    month_ago = time.time() - (cbuild.KEEP_DAYS + 1) * 86400
+    stale, recent, other = (folder / f"{name}-{digit * 16}.so" for name, digit in
+                            (("memory_evict", "0"), ("memory_evict", "1"), ("mixer_step", "2")))
+    for path in (stale, recent, other):
+        path.write_bytes(b"")
+    for path in (stale, other):
+        os.utime(path, (month_ago, month_ago))
+    load = lambda: cbuild.load("memory_evict", memory_kernel.SOURCES, memory_kernel.SIGNATURES, "-")  # noqa: E731
+    assert load() is not None
+    built = set(folder.glob("memory_evict-*.so")) - {recent}
+    assert len(built) == 1 and not stale.exists()
+    assert recent.exists() and other.exists()
+    (build,) = built
+    os.utime(build, (month_ago, month_ago))
+    monkeypatch.setattr(cbuild, "_loaded", {})
+    assert load() is not None
+    assert build.stat().st_mtime > month_ago + 86400
