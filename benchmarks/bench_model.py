@@ -123,8 +123,11 @@ def build_parser():
     p.add_argument("--warmup", type=int, default=None, help="untimed repetitions first, per row (decode: steps)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: on a shared machine more threads "
                    "than free cores makes times swing by several x)")
-    p.add_argument("--profile", action="store_true", help="after the last generate row, profile a few decode steps "
-                   "of each model (torch.profiler): operator calls per step and the operators that take the time")
+    p.add_argument("--profile", action="store_true", help="profile each model (torch.profiler) on the first train row "
+                   "(one step), the shortest prefill (one) and the last generate row (a few decode steps): "
+                   "operator calls, kernel launches and host syncs per step, and the operators that take the time")
+    p.add_argument("--prefill-tokens", type=int, default=None, metavar="N", help="tokens per piece of a prefill for "
+                   "this run (the model's PREFILL_TOKENS_GPU on a GPU, its PREFILL_CHUNK on a CPU): to compare pieces")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", dest="json_path", default=None, help="also write every number to this JSON file")
     return p
@@ -156,6 +159,8 @@ def parse_args(argv=None):
     args.train = [] if args.train.strip().lower() in skip else _shapes(args.train)
     args.prompts = [] if args.prompts.strip().lower() in skip else _int_list(args.prompts)
     args.generate = [] if args.generate.strip().lower() in skip else _shapes(args.generate)
+    if args.prefill_tokens is not None and args.prefill_tokens < 1:
+        raise SystemExit("--prefill-tokens must be >= 1")
     if args.repeats < 1 or args.steps < 1 or args.warmup < 0:
         raise SystemExit("--repeats and --steps must be >= 1, --warmup >= 0")
     return args
@@ -325,6 +330,12 @@ def run_train(models, args):
             for kind in models:
                 s = summary(times[kind])
                 row["models"][kind] = {**s, "tokens_per_s": batch * length / s["median_s"], "peak_bytes": peak[kind]}
+            if args.profile and (batch, length) == args.train[0]:
+                def step(kind):
+                    models[kind](input_ids=ids, labels=ids, use_cache=False).loss.backward()
+                    optimizers[kind].step()
+                    optimizers[kind].zero_grad(set_to_none=True)
+                _profile_row(row, models, step, args.device)
             rows.append(row)
             _progress(row)
     finally:
@@ -389,6 +400,8 @@ def run_prompts(models, args):
                     s = summary(times[kind])
                     peak = None if pre_delta[kind] is None else param_bytes[kind] + pre_delta[kind]
                     row["models"][kind] = {**s, "tokens_per_s": length / s["median_s"], "peak_bytes": peak}
+                if args.profile and length == min(args.prompts):
+                    _profile_row(row, models, lambda kind: prefill(models[kind], ids), args.device)
                 prefill_rows.append(row)
                 _progress(row)
             if (batch, length) not in args.generate:
@@ -417,32 +430,58 @@ def run_prompts(models, args):
             generate_rows.append(row)
             _progress(row)
             if args.profile and (batch, length) == args.generate[-1]:
-                try:
-                    row["profile"] = {k: profile_decode(dec, args.device) for k, dec in decoders.items()}
-                except Exception as error:  # a profiler that cannot start (CUPTI) must not lose the timings
-                    print(f"--profile failed: {error!r}", file=sys.stderr)
+                _profile_row(row, models, lambda kind: decoders[kind].step(), args.device, repeats=10)
             del decoders, states
     return prefill_rows, generate_rows
 
 
-def profile_decode(decoder, device, steps=10, top=12):
-    """torch.profiler over a few decode steps: operator calls per step (top-level aten ops: what a launch-bound step
-    pays for) and the operators with the most self time."""
+def _profile_row(row, models, work, device, repeats=1):
+    try:
+        row["profile"] = {kind: profile_work(lambda: work(kind), device, repeats,
+                                             models[kind].config.num_hidden_layers) for kind in models}
+    except Exception as error:  # a profiler that cannot start (CUPTI) must not lose the timings
+        print(f"--profile failed: {error!r}", file=sys.stderr)
+
+
+# what torch.profiler names a kernel launch and a host wait, CUDA runtime and driver API alike
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def profile_work(fn, device, repeats, layers, top=12):
+    """torch.profiler over ``repeats`` calls of fn: top-level operator calls per call (what a launch-bound step pays
+    for), kernel launches and host syncs per call (GPU), and the operators with the most self time on the host and,
+    on a GPU, on the device."""
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if str(device).startswith("cuda") else [])
+    cuda = str(device).startswith("cuda")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
-        for _ in range(steps):
-            decoder.step()
+        for _ in range(repeats):
+            fn()
         synchronize(device)
     events = prof.events()
     calls = sum(1 for e in events if e.name.startswith("aten::")
                 and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")))
-    averages = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
-    layers = decoder.model.config.num_hidden_layers
-    return {"steps": steps, "aten_calls_per_step": calls / steps, "aten_calls_per_layer": calls / steps / layers,
-            "top_self_cpu": [{"op": e.key, "ms_per_step": e.self_cpu_time_total / 1e3 / steps,
-                              "calls_per_step": e.count / steps} for e in averages[:top]]}
+    averages = prof.key_averages()
+
+    def device_time(e):  # the name changed in torch 2.4
+        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+
+    def count(names):
+        return sum(e.count for e in averages if e.key in names)
+
+    def top_ops(key):
+        return [{"op": e.key, "ms_per_step": key(e) / 1e3 / repeats, "calls_per_step": e.count / repeats}
+                for e in sorted(averages, key=key, reverse=True)[:top]]
+
+    out = {"steps": repeats, "aten_calls_per_step": calls / repeats, "aten_calls_per_layer": calls / repeats / layers,
+           "top_self_cpu": top_ops(lambda e: e.self_cpu_time_total)}
+    if cuda:
+        out.update(launches_per_step=count(LAUNCHES) / repeats, syncs_per_step=count(SYNCS) / repeats,
+                   device_busy_ms_per_step=sum(device_time(e) for e in averages) / 1e3 / repeats,
+                   top_self_device=top_ops(device_time))
+    return out
 
 
 def warm_up(models, args):
@@ -608,11 +647,20 @@ def print_report(report, args):
         print(f"- {line}")
     for row in report["rows"]:
         if "profile" in row:
-            print(f"\ndecode step profile ({_work_label(row)}; torch.profiler, {args.device}):")
+            unit = {"train": "train step", "prefill": "prefill", "generate": "decode step"}[row["work"]]
+            print(f"\nprofile per {unit} ({_work_label(row)}; torch.profiler, {args.device}):")
             for kind, prof in row["profile"].items():
-                ops = ", ".join(f"{o['op']} {o['ms_per_step']:.1f} ms" for o in prof["top_self_cpu"][:6])
-                print(f"- {LABELS[kind]}: {prof['aten_calls_per_step']:.0f} operator calls per step "
-                      f"({prof['aten_calls_per_layer']:.0f} per layer); most self time: {ops}")
+
+                def ops(key):
+                    return ", ".join(f"{o['op'][:60]} {o['ms_per_step']:.1f} ms" for o in prof[key][:6])
+
+                line = (f"- {LABELS[kind]}: {prof['aten_calls_per_step']:.0f} operator calls "
+                        f"({prof['aten_calls_per_layer']:.0f} per layer)")
+                if "launches_per_step" in prof:
+                    line += (f", {prof['launches_per_step']:.0f} kernel launches, {prof['syncs_per_step']:.0f} host "
+                             f"syncs, device busy {prof['device_busy_ms_per_step']:.1f} ms; most device time: "
+                             f"{ops('top_self_device')}")
+                print(line + f"; most host time: {ops('top_self_cpu')}")
     print(f"\n(wall time {report['wall_s']:.0f} s)")
 
 
@@ -620,10 +668,16 @@ def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     args.warmup_steps = max(args.warmup, 3)
+    import aaren_hf.modeling_aaren as modeling
+
+    piece = "PREFILL_TOKENS_GPU" if str(args.device).startswith("cuda") else "PREFILL_CHUNK"
+    old_piece = getattr(modeling, piece)
     old_threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
     try:
+        if args.prefill_tokens is not None:
+            setattr(modeling, piece, args.prefill_tokens)
         models = build_models(args)
         report = {"argv": argv, "machine": machine_info(args),
                   "config": {k: v for k, v in vars(args).items() if not k.startswith("_")},
@@ -636,6 +690,7 @@ def main(argv=None):
         prefill_rows, generate_rows = run_prompts(models, args) if (args.prompts or args.generate) else ([], [])
     finally:
         torch.set_num_threads(old_threads)
+        setattr(modeling, piece, old_piece)
     rows += prefill_rows + generate_rows
     add_ratios(rows)
     report["rows"] = rows

@@ -7,6 +7,8 @@ import math
 import sys
 from pathlib import Path
 
+import pytest
+
 import aaren_hf  # noqa: F401  (before transformers' model code: see the note in bench_decode.py)
 
 PROMPTS = (24, 40)
@@ -26,7 +28,7 @@ def test_bench_model_tiny_table_and_json(tmp_path, capsys):
     bench.main([
         "--shape", "tiny", "--device", "cpu", "--models", "aaren,aaren_nowin", "--train", "2x32",
         "--prompts", ",".join(map(str, PROMPTS)), "--generate", ",".join(f"1x{p}" for p in PROMPTS) + ",2x24",
-        "--steps", "3", "--repeats", "2", "--profile", "--json", str(out),
+        "--steps", "3", "--repeats", "2", "--profile", "--prefill-tokens", "16", "--json", str(out),
     ])
     printed = capsys.readouterr().out
 
@@ -46,6 +48,9 @@ def test_bench_model_tiny_table_and_json(tmp_path, capsys):
     assert "generate, B=2:" not in printed
 
     report = json.loads(out.read_text())
+    from aaren_hf import modeling_aaren
+
+    assert report["config"]["prefill_tokens"] == 16 and modeling_aaren.PREFILL_CHUNK == 2048  # restored after the run
     assert set(report["models"]) == {"teacher", "aaren", "aaren_nowin"}
     assert report["models"]["teacher"]["attn_implementation"] == "sdpa"
     assert report["models"]["aaren"]["window_size"] > 0 and report["models"]["aaren_nowin"]["window_size"] == 0
@@ -77,11 +82,18 @@ def test_bench_model_tiny_table_and_json(tmp_path, capsys):
     # the no-window student's state does not grow with the prompt
     nowin = {r["tokens"]: r["models"]["aaren_nowin"]["cache_bytes"] for r in generate if r["batch"] == 1}
     assert len(set(nowin.values())) == 1
-    # --profile: operator counts of a decode step for each model, on the last generate row only
-    assert [("profile" in r) for r in generate] == [False] * (len(generate) - 1) + [True]
-    for kind, prof in generate[-1]["profile"].items():
-        assert prof["aten_calls_per_step"] > 0 and prof["top_self_cpu"], kind
-    assert "operator calls per step" in printed
+    # --profile: operator counts per step for each model, on the first train row, the shortest prefill and the last
+    # generate row only; the students' mixers run more operators than the teacher's attention in a train step
+    profiled = [(r["work"], r["batch"], r["tokens"]) for r in report["rows"] if "profile" in r]
+    assert profiled == [("train", 2, 32), ("prefill", 1, min(PROMPTS)), ("generate", 2, 24)]
+    for row in report["rows"]:
+        for kind, prof in row.get("profile", {}).items():
+            assert prof["aten_calls_per_step"] > 0 and prof["top_self_cpu"], (row["work"], kind)
+            assert prof["steps"] == (10 if row["work"] == "generate" else 1)
+    train_calls = {k: p["aten_calls_per_step"] for k, p in report["rows"][0]["profile"].items()}
+    assert train_calls["aaren"] > train_calls["teacher"]
+    for unit in ("train step", "prefill", "decode step"):
+        assert f"profile per {unit} (" in printed
     cross = report["crossover"]["generate"]["aaren"]["1"]
     assert cross["lengths"] == list(PROMPTS) and len(cross["speed_ratios"]) == len(PROMPTS)
     assert isinstance(cross["measured"], bool)
@@ -95,3 +107,5 @@ def test_bench_model_arguments():
     args = bench.parse_args(["--device", "cuda", "--shape", "tiny"])
     assert args.models == ["teacher", "aaren", "aaren_nowin"] and args.dtype == "bfloat16"
     assert (32, 16384) in args.generate and (8, 2048) in args.train
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--device", "cpu", "--prefill-tokens", "0"])
