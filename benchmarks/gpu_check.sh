@@ -44,7 +44,7 @@ timeout 140 python3 -m pytest -q -p no:cacheprovider -m requires_gpu -rA tests/t
 # train shape that does not fit cannot cost the other rows
 timeout 210 python3 benchmarks/bench_model.py --device cuda --train none --repeats 2 --steps 16 --profile \
   --json "$LOG/bench_model.json" 2>&1 | tee "$LOG/bench_model.log" | grep -v "^\["
-timeout 110 python3 benchmarks/bench_model.py --device cuda --prompts none --generate none --repeats 2 \
+timeout 110 python3 benchmarks/bench_model.py --device cuda --prompts none --generate none --repeats 2 --profile \
   --json "$LOG/bench_model_train.json" 2>&1 | tee "$LOG/bench_model_train.log" | grep -v "^\["
 
 timeout 40 python3 benchmarks/bench_kernels.py --seqlens 2048 16384 65536 --min-time 0.2 --decode-batches 1 64 \
