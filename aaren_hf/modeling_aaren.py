@@ -47,6 +47,7 @@ except ImportError:
 # tokens per sequence as PREFILL_TOKENS_GPU allows for the whole batch, and never fewer than on a CPU.
 PREFILL_CHUNK = 2048
 PREFILL_TOKENS_GPU = 32768
+SWEEP_PAIRS_GPU = 1 << 26  # the memory's ranking on a GPU: comparisons per block of the sweep (sweep_block)
 
 
 def prefill_piece(batch: int, device: torch.device) -> int:
@@ -546,8 +547,18 @@ def memory_visibility(cand_pos, cand_score, first_stream, window, num_sinks, mem
     if memory_evict_cpu is not None:
         evict = memory_evict_cpu(cand_pos, cand_score, upto, num_sinks, M)
     if evict is None:
-        evict = _evict_sweep(cand_pos, cand_score, real, upto, M, block or max(64, 2 * M))
+        evict = _evict_sweep(cand_pos, cand_score, real, upto, M, block or sweep_block(B, Hkv, M, device))
     return last, torch.where(real, evict, -1)
+
+
+def sweep_block(B, Hkv, M, device) -> int:
+    """Candidates per block of the ranking sweep: 2M (at least 64) on a CPU; on a GPU, where each block's thirty-odd
+    operators cost launches rather than arithmetic, as many as keep a block's B x Hkv x (M + block)^2 comparisons
+    within SWEEP_PAIRS_GPU (4,281 for one sequence of 3 kv heads and M = 448: a fifth of the launches)."""
+    block = max(64, 2 * M)
+    if device.type == "cpu":
+        return block
+    return max(block, math.isqrt(SWEEP_PAIRS_GPU // (B * Hkv)) - M)
 
 
 def _evict_sweep(cand_pos, cand_score, real, upto, M, block):

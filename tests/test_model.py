@@ -262,6 +262,21 @@ def test_prefill_pieces_are_longer_on_a_gpu_within_one_token_budget():
     assert prefill_piece(1, torch.device("cuda")) == PREFILL_TOKENS_GPU
 
 
+def test_the_ranking_sweep_takes_larger_blocks_on_a_gpu_within_one_budget():
+    """A CPU sweeps the memory's candidates in blocks of 2M (at least 64); elsewhere (launch-bound) a block is as
+    large as SWEEP_PAIRS_GPU comparisons allow, never smaller. Any block gives the same ranking: the brute-force
+    test above runs blocks of 1 to 8."""
+    from aaren_hf.modeling_aaren import SWEEP_PAIRS_GPU, sweep_block
+
+    for B, Hkv, M in ((1, 3, 448), (2, 3, 448), (8, 3, 448), (32, 3, 448), (1, 1, 16), (4, 2, 0)):
+        floor = max(64, 2 * M)
+        assert sweep_block(B, Hkv, M, torch.device("cpu")) == floor
+        block = sweep_block(B, Hkv, M, torch.device("cuda"))
+        assert block == floor or (block > floor and B * Hkv * (M + block) ** 2 <= SWEEP_PAIRS_GPU
+                                  < B * Hkv * (M + block + 1) ** 2)
+    assert sweep_block(1, 3, 448, torch.device("cuda")) > 4 * 896
+
+
 def test_logits_to_keep_and_hidden_states():
     model = tiny_model(window_size=4)
     ids = random_ids(1, 9)

@@ -1,0 +1,81 @@
+#!/usr/bin/env python
+# Copyright 2026 The aaren-hf authors. Apache-2.0.
+"""Operators per layer of one prefill, counted on the CPU: what a GPU, where the window and memory branch is
+launch-bound, pays in kernel launches. Counts every PyTorch operator that runs except views (each runs a kernel on a
+GPU), through the PyTorch path a GPU runs (``AAREN_BACKEND=torch``: no C kernels; on a GPU the scan is one Triton
+call where this counts the chunked PyTorch scan's ~150 operators per piece and layer). Deterministic: no timing.
+
+    python -P benchmarks/count_ops.py                       # 32K tokens: CPU pieces, one GPU piece, GPU sweep blocks
+    python -P benchmarks/count_ops.py --tokens 4096 --layers 1
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_model  # noqa: E402  (imports aaren_hf before transformers' model code)
+
+import aaren_hf.modeling_aaren as modeling  # noqa: E402
+
+VIEWS = {"view", "_unsafe_view", "as_strided", "slice", "select", "unsqueeze", "squeeze", "expand", "permute",
+         "transpose", "t", "detach", "alias", "reshape", "split", "split_with_sizes", "unbind", "lift_fresh",
+         "unfold", "diagonal", "narrow", "chunk"}
+
+
+class CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += func.overloadpacket.__name__ not in VIEWS
+        return func(*args, **(kwargs or {}))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", type=int, default=32768)
+    p.add_argument("--layers", type=int, default=2, help="layers of the SmolLM2-135M shape (random weights)")
+    args = p.parse_args(argv)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from aaren_hf.conversion.convert import build_student
+
+    torch.manual_seed(0)
+    shape = dict(bench_model.SHAPES["smollm2-135m"], num_hidden_layers=args.layers)
+    teacher = LlamaForCausalLM(LlamaConfig(**shape, max_position_embeddings=1 << 20, attn_implementation="sdpa"))
+    student = build_student(teacher, bench_model.mixer_options("aaren", "smollm2-135m")).eval()
+    ids = torch.randint(3, shape["vocab_size"], (1, args.tokens))
+    gpu = torch.device("cuda")  # only asked for its sizes: nothing runs there
+    cases = [("CPU pieces, CPU sweep blocks", modeling.PREFILL_CHUNK, None),
+             ("GPU pieces, CPU sweep blocks", modeling.prefill_piece(1, gpu), None),
+             ("GPU pieces, GPU sweep blocks", modeling.prefill_piece(1, gpu), modeling.sweep_block)]
+    chunk, block, backend = modeling.PREFILL_CHUNK, modeling.sweep_block, os.environ.get("AAREN_BACKEND")
+    os.environ["AAREN_BACKEND"] = "torch"  # the C kernels off (each call asks)
+    counts, first = [], None
+    try:
+        for label, piece, sweep in cases:
+            modeling.PREFILL_CHUNK = piece
+            modeling.sweep_block = (lambda B, Hkv, M, device: block(B, Hkv, M, gpu)) if sweep else block
+            counter = CountOps()
+            with torch.no_grad(), counter:
+                logits = student(ids, use_cache=True, logits_to_keep=1).logits
+            first = logits if first is None else first
+            counts.append((counter.n / args.layers, float((logits - first).abs().max())))
+            print(f"{label} ({piece}-token pieces): {counter.n / args.layers:,.0f} operators per layer for "
+                  f"{args.tokens:,} tokens; logits differ from the first by {float((logits - first).abs().max()):.1e}")
+    finally:
+        modeling.PREFILL_CHUNK, modeling.sweep_block = chunk, block
+        if backend is None:
+            os.environ.pop("AAREN_BACKEND")
+        else:
+            os.environ["AAREN_BACKEND"] = backend
+    return counts
+
+
+if __name__ == "__main__":
+    main()
