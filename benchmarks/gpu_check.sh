@@ -35,16 +35,19 @@ print('torch', torch.__version__, '| triton', triton.__version__, '| transformer
 # Budgeted to end inside one 10-minute call (the timeouts below add up to 530 s after the install), in order of
 # what matters most: correctness, then the whole model (prefill and generate, then train steps), then the scan.
 status=0
-timeout 140 python3 -m pytest -q -p no:cacheprovider -m requires_gpu -rA tests/test_kernels.py tests/test_model.py \
+timeout 120 python3 -m pytest -q -p no:cacheprovider -m requires_gpu -rA tests/test_kernels.py tests/test_model.py \
   2>&1 | tee "$LOG/test_gpu.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|Error|assert" | tail -40
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 
 # whole model vs teacher (SmolLM2-135M shape, random weights, bf16): tokens/s, peak memory and ratios in one run;
 # prefill and generate first (with a profile of the decode step), train steps in a second process, so that a
 # train shape that does not fit cannot cost the other rows
-timeout 210 python3 benchmarks/bench_model.py --device cuda --train none --repeats 2 --steps 16 --profile \
+timeout 200 python3 benchmarks/bench_model.py --device cuda --train none --repeats 2 --steps 16 --profile \
   --json "$LOG/bench_model.json" 2>&1 | tee "$LOG/bench_model.log" | grep -v "^\["
-timeout 110 python3 benchmarks/bench_model.py --device cuda --prompts none --generate none --repeats 2 --profile \
+# the same 16K prefill in the CPU's 2,048-token pieces: what prefill_piece gains on this GPU, in one run
+timeout 40 python3 benchmarks/bench_model.py --device cuda --models aaren --prompts 16k --generate none --train none \
+  --prefill-tokens 2048 --json "$LOG/bench_model_pieces2k.json" 2>&1 | tee "$LOG/bench_model_pieces2k.log" | grep "prefill"
+timeout 100 python3 benchmarks/bench_model.py --device cuda --prompts none --generate none --repeats 2 --profile \
   --json "$LOG/bench_model_train.json" 2>&1 | tee "$LOG/bench_model_train.log" | grep -v "^\["
 
 timeout 40 python3 benchmarks/bench_kernels.py --seqlens 2048 16384 65536 --min-time 0.2 --decode-batches 1 64 \
