@@ -670,7 +670,8 @@ def main(argv=None):
     args.warmup_steps = max(args.warmup, 3)
     import aaren_hf.modeling_aaren as modeling
 
-    piece = "PREFILL_TOKENS_GPU" if str(args.device).startswith("cuda") else "PREFILL_CHUNK"
+    # the constant modeling_aaren.prefill_piece reads on this device
+    piece = "PREFILL_CHUNK" if torch.device(args.device).type == "cpu" else "PREFILL_TOKENS_GPU"
     old_piece = getattr(modeling, piece)
     old_threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)

@@ -51,23 +51,24 @@ def main(argv=None):
     student = build_student(teacher, bench_model.mixer_options("aaren", "smollm2-135m")).eval()
     ids = torch.randint(3, shape["vocab_size"], (1, args.tokens))
     gpu = torch.device("cuda")  # only asked for its sizes: nothing runs there
-    cases = [("CPU pieces, CPU sweep blocks", modeling.PREFILL_CHUNK, None),
-             ("GPU pieces, CPU sweep blocks", modeling.prefill_piece(1, gpu), None),
-             ("GPU pieces, GPU sweep blocks", modeling.prefill_piece(1, gpu), modeling.sweep_block)]
+    cases = [("CPU pieces, CPU sweep blocks", modeling.PREFILL_CHUNK, False),
+             ("GPU pieces, CPU sweep blocks", modeling.prefill_piece(1, gpu), False),
+             ("GPU pieces, GPU sweep blocks", modeling.prefill_piece(1, gpu), True)]
     chunk, block, backend = modeling.PREFILL_CHUNK, modeling.sweep_block, os.environ.get("AAREN_BACKEND")
     os.environ["AAREN_BACKEND"] = "torch"  # the C kernels off (each call asks)
     counts, first = [], None
     try:
-        for label, piece, sweep in cases:
+        for label, piece, gpu_blocks in cases:
             modeling.PREFILL_CHUNK = piece
-            modeling.sweep_block = (lambda B, Hkv, M, device: block(B, Hkv, M, gpu)) if sweep else block
+            modeling.sweep_block = (lambda B, Hkv, M, device: block(B, Hkv, M, gpu)) if gpu_blocks else block
             counter = CountOps()
             with torch.no_grad(), counter:
                 logits = student(ids, use_cache=True, logits_to_keep=1).logits
             first = logits if first is None else first
-            counts.append((counter.n / args.layers, float((logits - first).abs().max())))
-            print(f"{label} ({piece}-token pieces): {counter.n / args.layers:,.0f} operators per layer for "
-                  f"{args.tokens:,} tokens; logits differ from the first by {float((logits - first).abs().max()):.1e}")
+            per_layer, diff = counter.n / args.layers, float((logits - first).abs().max())
+            counts.append((per_layer, diff))
+            print(f"{label} ({piece}-token pieces): {per_layer:,.0f} operators per layer for {args.tokens:,} tokens; "
+                  f"logits differ from the first by {diff:.1e}")
     finally:
         modeling.PREFILL_CHUNK, modeling.sweep_block = chunk, block
         if backend is None:
