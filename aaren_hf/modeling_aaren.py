@@ -34,11 +34,11 @@ try:  # Triton kernels on CUDA and the C kernels on CPUs, when this package is i
     # file serves everywhere else (a checkpoint's own copy of it: nothing else to install)
     from aaren_hf.kernels import chunk_aaren, fused_recurrent_aaren
     from aaren_hf.kernels.aaren import aaren_scan_cpu
-    from aaren_hf.kernels.memory import memory_evict_cpu
+    from aaren_hf.kernels.memory import memory_evict_cpu, memory_round_cpu
     from aaren_hf.kernels.mixer import mixer_step_cpu
 except ImportError:
     chunk_aaren, fused_recurrent_aaren = chunk_aaren_torch, recurrent_aaren_torch
-    aaren_scan_cpu = memory_evict_cpu = mixer_step_cpu = None
+    aaren_scan_cpu = memory_evict_cpu = memory_round_cpu = mixer_step_cpu = None
 
 
 # With a cache kept (prefill), prompts longer than this go through the model in pieces of this many tokens on a CPU.
@@ -339,37 +339,60 @@ def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sin
     seen = [(band & (pb.unsqueeze(2) >= 0)).unsqueeze(2) | padding]  # [B, n, 1, Q, L]: the same for every kv head
     if memory is not None:
         mem_keys, mem_values, evict, last = memory
-        mem_rows, mem_seen = _memory_blocks(evict, last, T, nblk, Q)
+        mem_rows, mem_seen, mem_counts = _memory_blocks(evict, last, T, nblk, Q)
         rows.append(mem_rows + table_k[0].shape[0])
         table_k.append(F.pad(mem_keys.float(), (0, Dx - D)).reshape(-1, Dx))
         table_v.append(F.pad(mem_values.float(), (0, Dx - D)).reshape(-1, Dx))
         seen.append(mem_seen | padding)  # [B, n, Hkv, Q, K]
     if S > 0:
-        # sinks are seen from position min(p, S + W - 1), by queries rotated there, so their scores are not q . k:
-        # computed apart, they ride in S more query dimensions, which only the S sink keys read (one-hot there)
-        qs_pos = qpos.reshape(B, Tp).clamp(min=0, max=S + W - 1)
-        qs = rotate(qp, qs_pos, inv_freq).float().view(B, nblk, Q, Hkv, G, D).permute(0, 1, 3, 4, 2, 5)
-        qw[..., D:D + S] = torch.matmul(qs, sink_k.float().permute(0, 2, 3, 1).view(B, 1, Hkv, 1, D, S))
+        # sinks are seen from position c = min(p, S + W - 1), by queries rotated there, so their scores are not
+        # q . k: computed apart, they ride in S more query dimensions, which only the S sink keys read (one-hot
+        # there). <R(c) q, k> = <q, R(-c) k>: the sink keys turned back by each of the S + W values of c (a few
+        # rows), one of them per query, rather than every query rotated a second time.
+        turned = rotate(sink_k.float().unsqueeze(1).expand(B, S + W, S, Hkv, D).reshape(B, S + W, S * Hkv, D),
+                        -arange(S + W).expand(B, -1), inv_freq)
+        c = qpos.reshape(B, Tp).clamp(min=0, max=S + W - 1) + arange(0, B * (S + W), S + W).view(B, 1)
+        sink_keys = turned.reshape(B * (S + W), S, Hkv, D).index_select(0, c.flatten()).view(B, Tp, S, Hkv, D)
+        scores = torch.matmul(qp.float().view(B, Tp, Hkv, G, D), sink_keys.permute(0, 1, 3, 4, 2))
+        qw[..., D:D + S] = scores.view(B, nblk, Q, Hkv, G, S).permute(0, 1, 3, 4, 2, 5)
         rows.append(arange(B * Hkv * S).view(B, 1, Hkv, S) + sum(part.shape[0] for part in table_k))
         table_k.append(F.pad(torch.eye(S, device=q.device), (D, Dx - D - S)).repeat(B * Hkv, 1))
         table_v.append(F.pad(sink_v.float().transpose(1, 2), (0, Dx - D)).reshape(-1, Dx))
         sp = sink_pos.view(B, 1, 1, S)
         seen.append(((sp >= 0) & (sp <= qpos.unsqueeze(-1) - W) & query_valid.unsqueeze(-1)).unsqueeze(2))
-    rows = torch.cat([part.expand(B, nblk, Hkv, -1) for part in rows], -1)
-    Lk = rows.shape[-1]
-    kx, vx = (torch.cat(table).index_select(0, rows.flatten()) for table in (table_k, table_v))
-    # the mask as an additive bias, one for the G query heads of a kv head (-inf, not the lowest float: exp of that
-    # underflows to denormals, several times slower on CPUs), written part by part: no mask of the whole [.., Q, Lk]
-    # is ever built; fused attention (PyTorch's flash kernel on CPUs)
-    bias = torch.empty(B, nblk, Hkv, Q, Lk, device=q.device)
+    table_k, table_v = torch.cat(table_k), torch.cat(table_v)
     zero, minus_inf = torch.zeros((), device=q.device), torch.full((), float("-inf"), device=q.device)
-    start = 0
-    for part in seen:
-        torch.where(part.expand(B, nblk, Hkv, Q, -1), zero, minus_inf, out=bias[..., start:start + part.shape[-1]])
-        start += part.shape[-1]
-    out = _attention(qw.reshape(-1, G, Q, Dx), kx.view(-1, 1, Lk, Dx), vx.view(-1, 1, Lk, Dx),
-                     bias.view(-1, 1, Q, Lk), scale)
-    out = out.view(B, nblk, Hkv, G, Q, Dx)[..., :D].permute(0, 1, 4, 2, 3, 5).reshape(B, Tp, H, D)[:, :T]
+    # Blocks pad their memory part to the most candidates any block sees; while the memory fills (its first M + W
+    # tokens) early blocks see far fewer. On a CPU, where attention costs its keys, runs of blocks get their own
+    # width (at W = 64, M = 448: 0.69x the keys at 500 tokens, 0.82x at 1,000, 0.91x at 2,000); on a GPU one call
+    # serves all (there launches cost more than keys).
+    groups = [(0, nblk, None)]
+    if memory is not None and q.device.type == "cpu" and nblk > 1:
+        groups = _block_groups(mem_counts.tolist(), W - 1 + Q + S)
+    outs = []
+    for n0, n1, width in groups:
+        nb = n1 - n0
+        run = list(zip(rows, seen))
+        if nb < nblk:
+            run = [(r[:, n0:n1] if r.shape[1] > 1 else r, s[:, n0:n1]) for r, s in run]
+        if width is not None:  # the memory part (seen candidates first in every block) cut to this run's width
+            run[1] = (run[1][0][..., :width], run[1][1][..., :width])
+        run_rows = torch.cat([r.expand(B, nb, Hkv, -1) for r, _ in run], -1)
+        Lk = run_rows.shape[-1]
+        kx, vx = (table.index_select(0, run_rows.flatten()) for table in (table_k, table_v))
+        # the mask as an additive bias, one for the G query heads of a kv head (-inf, not the lowest float: exp of
+        # that underflows to denormals, several times slower on CPUs), written part by part: no mask of the whole
+        # [.., Q, Lk] is ever built; fused attention (PyTorch's flash kernel on CPUs)
+        bias = torch.empty(B, nb, Hkv, Q, Lk, device=q.device)
+        start = 0
+        for _, part in run:
+            torch.where(part.expand(B, nb, Hkv, Q, -1), zero, minus_inf, out=bias[..., start:start + part.shape[-1]])
+            start += part.shape[-1]
+        o = _attention((qw if nb == nblk else qw[:, n0:n1]).reshape(-1, G, Q, Dx), kx.view(-1, 1, Lk, Dx),
+                       vx.view(-1, 1, Lk, Dx), bias.view(-1, 1, Q, Lk), scale)
+        outs.append(o.view(B, nb, Hkv, G, Q, Dx))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
+    out = out[..., :D].permute(0, 1, 4, 2, 3, 5).reshape(B, Tp, H, D)[:, :T]
     return out.masked_fill((pos < 0).view(B, T, 1, 1), 0.0).to(q.dtype)  # not in place: out may view SDPA's own
 
 
@@ -496,10 +519,15 @@ class MemoryCodes:
         return self.round_with_codes(x)[0]
 
     def round_with_codes(self, x: torch.Tensor):
-        """(:meth:`round` of x, :meth:`encode` of x): for a caller that stores the codes too."""
+        """(:meth:`round` of x, :meth:`encode` of x): for a caller that stores the codes too. On a CPU with the
+        aaren_hf package, one C loop (``memory_round_cpu``, kernels/memory) gives the same codes and values bit for
+        bit; this code is its reference."""
         x = x.float()
-        coded = self.encode(x.detach())
-        back = self.decode(*coded)
+        rounded = None if memory_round_cpu is None else memory_round_cpu(x.detach(), self.bits, self.rotate)
+        if rounded is None:
+            coded = self.encode(x.detach())
+            rounded = self.decode(*coded), coded
+        back, coded = rounded
         return (back + (x - x.detach()) if x.requires_grad else back), coded
 
 
@@ -604,8 +632,8 @@ def memory_seen(evict, last):
 def _memory_blocks(evict, last, T, nblk, Q):
     """Per block of Q queries (T in all), the candidates some query of the block sees: at most M + Q of them (the
     block starts with at most M and each query adds at most the one token leaving its window). Returns their rows
-    [B, n, Hkv, K] in the candidates as rows [B * Hkv * C] (seen ones first) and visible [B, n, Hkv, Q, K] (padding
-    queries: whatever their position gives)."""
+    [B, n, Hkv, K] in the candidates as rows [B * Hkv * C] (seen ones first), visible [B, n, Hkv, Q, K] (padding
+    queries: whatever their position gives) and [n] how many of the K the block needs at most (over rows and heads)."""
     B, Hkv, C = evict.shape
     last = last[:T]
     # the block's queries have last indices lo..hi (last grows with the query): a candidate in the memory at any
@@ -613,13 +641,28 @@ def _memory_blocks(evict, last, T, nblk, Q):
     lo, hi = last[::Q], last[(torch.arange(nblk, device=last.device) * Q + Q - 1).clamp(max=T - 1)]
     index = torch.arange(C, device=evict.device)
     seen = (index <= hi.view(-1, 1, 1)) & (evict.unsqueeze(1) > lo.view(-1, 1, 1))  # [B, n, Hkv, C]
-    K = max(1, min(C, int(seen.sum(-1).max())))
+    counts = seen.sum(-1).amax((0, 2))  # [n]: the most candidates a block sees (over rows and kv heads)
+    K = max(1, min(C, int(counts.max())))
     idx = torch.sort((~seen).to(torch.uint8), dim=-1, stable=True).indices[..., :K]  # seen candidates first
     # candidates move as whole rows: index_select copies rows, far faster than a gather
     rows = idx + torch.arange(0, B * Hkv * C, C, device=idx.device).view(B, 1, Hkv, 1)
     q_last = F.pad(last, (0, nblk * Q - T), value=-1).view(nblk, 1, Q, 1)
     ends = evict.reshape(-1).index_select(0, rows.flatten()).view(B, nblk, Hkv, 1, K)
-    return rows, (idx.unsqueeze(3) <= q_last) & (q_last < ends)
+    return rows, (idx.unsqueeze(3) <= q_last) & (q_last < ends), counts
+
+
+def _block_groups(counts, fixed):
+    """Runs of consecutive query blocks, as (first, end, width): a run's blocks read ``fixed`` keys each (window and
+    sinks) plus its most memory candidates (``width``). A run ends before a block that needs more than sqrt(2)
+    times the keys of the run's first. Blocks need more as the memory fills (one candidate more per token until it
+    holds M, then M + what enters), so runs are few (4 for 1,000 tokens at W = 64, M = 448) and each block reads
+    about the keys it needs instead of the widest block's."""
+    groups, first = [], 0
+    for n in range(1, len(counts) + 1):
+        if n == len(counts) or fixed + counts[n] > math.sqrt(2) * (fixed + counts[first]):
+            groups.append((first, n, max(1, *counts[first:n])))
+            first = n
+    return groups
 
 
 # ----------------------------------------------------------------------------------------------------------------

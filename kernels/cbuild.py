@@ -1,5 +1,6 @@
 """The C kernels for CPUs (the decode step: ``aaren/step.c``, ``window/step.c``, ``mixer/step.c`` in one library; the
-memory's ranking: ``memory/evict.c``), compiled on first use and loaded with ctypes.
+memory's ranking and codes: ``memory/evict.c``, ``memory/codes.c``, with ``memory/codes.h`` shared by the two
+libraries), compiled on first use and loaded with ctypes.
 
 They are compiled with the machine's C compiler (``$CC``, else ``cc``/``gcc``) into ``$AAREN_HF_CACHE/kernels``
 (default ``~/.cache/aaren_hf/kernels``), keyed by the sources, the flags and the CPU: no build step at install, no
@@ -84,10 +85,10 @@ def _mark_used(target: Path) -> None:
         pass
 
 
-def load(name: str, sources: tuple, signatures: dict, instead: str):
+def load(name: str, sources: tuple, signatures: dict, instead: str, headers: tuple = ()):
     """``sources`` compiled (once per machine) into library ``name`` and loaded, its functions typed by ``signatures``
     ({function: (restype, argtypes)}); None when disabled or when it cannot be built (then, once, a warning that
-    ``instead`` runs)."""
+    ``instead`` runs). ``headers``: files the sources include, part of the build's key as the sources are."""
     if disabled():
         return None
     if name in _loaded:
@@ -104,7 +105,7 @@ def load(name: str, sources: tuple, signatures: dict, instead: str):
         return None
     errors = []
     for flags in (FLAGS + NATIVE, FLAGS):
-        key = hashlib.sha256(b"".join(source.read_bytes() for source in sources)
+        key = hashlib.sha256(b"".join(source.read_bytes() for source in (*sources, *headers))
                              + " ".join([cc, *flags]).encode() + _cpu_key().encode())
         target = _cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
         try:

@@ -3,6 +3,7 @@ window branch against brute-force references, numerical robustness, dtypes, bad 
 
 import copy
 import math
+import shutil
 
 import pytest
 import torch
@@ -463,6 +464,56 @@ def test_memory_matches_brute_force(window, sinks, memory, splits):
     assert (flipped - want).abs().max() > 1e-2
 
 
+def test_block_groups_cover_every_block_with_the_keys_it_needs():
+    """Runs of query blocks: consecutive, covering all blocks once, each as wide as its widest block; a run ends
+    before a block that needs more than sqrt(2) times the keys of the run's first, so a filling memory gives a few
+    runs and a full one a single run."""
+    filling = [0, 63, 127, 191, 255, 319, 383, 447, 511, 511, 511, 511, 511, 511, 511, 487]  # 1,000 tokens, W=64
+    for counts in (filling, [511] * 9, [0], [5, 0, 9, 0, 30], [0, 0, 0]):
+        groups = modeling._block_groups(counts, 128)
+        assert [n for first, end, _ in groups for n in range(first, end)] == list(range(len(counts)))
+        for first, end, width in groups:
+            assert width == max(1, *counts[first:end])
+            assert all(128 + c <= math.sqrt(2) * (128 + counts[first]) for c in counts[first:end])
+    assert [g[:2] for g in modeling._block_groups(filling, 128)] == [(0, 1), (1, 3), (3, 6), (6, 16)]
+    assert len(modeling._block_groups([511] * 9, 128)) == 1
+
+
+def test_memory_blocks_in_runs_give_the_one_call_answer(monkeypatch):
+    """While the memory fills, the prefill's query blocks go to attention in runs of their own width (on a CPU):
+    the same outputs as one call at the widest block's width, and the brute force's outputs and gradients."""
+    kw = dict(window_size=4, num_sink_tokens=1, num_key_value_heads=2, memory_size=12)
+    config = tiny_config(**kw)
+    mixer = tiny_model(**kw).model.layers[0].mixer
+    B, T, H, Hkv, D = 2, 45, 4, 2, config.head_dim
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (3 * torch.randn(B, T, H, D, generator=gen), 3 * torch.randn(B, T, Hkv, D, generator=gen),
+               torch.randn(B, T, Hkv, D, generator=gen))
+    retention = torch.randint(0, 4, (B, T, Hkv), generator=gen).float()
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[1, :5] = False
+    pos = (mask.long().cumsum(1) - 1).masked_fill(~mask, -1)
+    runs = []
+    grouped = modeling._block_groups
+    monkeypatch.setattr(modeling, "_block_groups", lambda *a: runs.append(grouped(*a)) or runs[-1])
+    inputs = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    got = mixer.window_branch(*inputs, pos, None, retention)
+    monkeypatch.setattr(modeling, "_block_groups", lambda counts, fixed: [(0, len(counts), max(counts))])
+    with torch.no_grad():
+        one = mixer.window_branch(q, k, v, pos, None, retention)
+    assert len(runs) == 1 and len(runs[0]) >= 3  # teeth: the runs did split
+    torch.testing.assert_close(got.detach(), one, atol=1e-6, rtol=1e-6)
+    references = [t.double().requires_grad_(True) for t in (q, k, v)]
+    want = brute_force_window(*references, pos, 4, 1, mixer.rope_inv_freq, mixer.scale, 12, retention)
+    torch.testing.assert_close(got.detach().double(), want.detach(), atol=2e-5, rtol=1e-5)
+    # and the gradients, through the runs and the sinks' turned keys
+    weight = torch.randn(got.shape, generator=gen)
+    (got * weight).sum().backward()
+    (want * weight.double()).sum().backward()
+    for mine, ref in zip(inputs, references):
+        torch.testing.assert_close(mine.grad.double(), ref.grad, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("ranking", ["sweep", "c"])
 def test_memory_visibility_equals_ranking_every_query_by_brute_force(ranking, monkeypatch):
     """The ranking behind the memory against its definition: each query sees, per kv head, the M best (score, then
@@ -648,6 +699,38 @@ def test_hadamard_codes_are_the_reference_codes_and_read_back_exactly(D):
         if D >= 8:  # the more channels share the large one's weight, the more the rotation gains
             plain = MemoryCodes(bits).decode(*MemoryCodes(bits).encode(x))
             assert (back - x).norm() < (0.5 if D >= 64 else 0.9) * (plain - x).norm()
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
+@pytest.mark.parametrize("rotate", [False, True])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_memory_codes_in_c_are_the_references_bit_for_bit(bits, rotate, monkeypatch):
+    """round_with_codes on a CPU (kernels/memory/codes.c) against its PyTorch reference (encode, then decode): the
+    same codes, scales and values bit for bit, over vectors of every scale (zero, tiny, huge, one large channel),
+    widths 2-256 and leading shapes with no rows; and round_with_codes gives the same whichever of the two runs."""
+    from aaren_hf.kernels.memory import memory_round_cpu
+    from aaren_hf.modeling_aaren import MemoryCodes
+
+    codes_of = MemoryCodes(bits, rotate)
+    gen = torch.Generator().manual_seed(bits + rotate)
+    for shape in ((2, 1, 3, 37, 64), (5, 2), (9, 256), (4, 0, 16)):
+        x = torch.randn(*shape, generator=gen) * torch.logspace(-30, 30, 11)[torch.randint(0, 11, shape[:-1] + (1,),
+                                                                                              generator=gen)]
+        if x.numel():
+            rows = x.view(-1, shape[-1])
+            rows[0], rows[-1, 0] = 0.0, 3e38  # a zero vector; a channel near float32's largest
+        got = memory_round_cpu(x, bits, rotate)
+        assert got is not None, "the C kernel did not run"
+        want_codes = codes_of.encode(x)
+        assert torch.equal(got[1][0], want_codes[0]) and torch.equal(got[1][1], want_codes[1])
+        assert torch.equal(got[0], codes_of.decode(*want_codes))
+        monkeypatch.setattr(modeling, "memory_round_cpu", None)  # round_with_codes by the reference
+        back, coded = codes_of.round_with_codes(x)
+        monkeypatch.undo()
+        assert torch.equal(back, got[0]) and torch.equal(coded[0], got[1][0])
+        assert torch.equal(codes_of.round_with_codes(x)[0], got[0])  # and through the kernel
+    if rotate:  # the butterflies need a power of 2: declined, nothing written
+        assert memory_round_cpu(torch.randn(3, 6), bits, rotate) is None
 
 
 @pytest.mark.parametrize("bits", [8, 4])

@@ -25,6 +25,7 @@ __all__ = ["mixer_step_cpu", "library"]
 
 KERNELS = Path(__file__).parent.parent
 SOURCES = (KERNELS / "aaren" / "step.c", KERNELS / "window" / "step.c", KERNELS / "mixer" / "step.c")
+HEADERS = (KERNELS / "memory" / "codes.h",)  # the memory's codes, which window/step.c reads and writes
 SIGNATURES = {"aaren_mixer_step": (ctypes.c_int, [ctypes.c_int] * 16 + [ctypes.c_float] + [ctypes.c_void_p] * 37)}
 DECAY = {"none": 0, "fixed": 1, "learned": 1, "input": 2}
 RULE = {"learned": 1, "aaren": 2}
@@ -32,7 +33,7 @@ RULE = {"learned": 1, "aaren": 2}
 
 def library():
     """The compiled step (ctypes), built on first use; None when disabled or when no compiler can build it."""
-    return load("mixer_step", SOURCES, SIGNATURES, "the PyTorch steps, about half as fast")
+    return load("mixer_step", SOURCES, SIGNATURES, "the PyTorch steps, about half as fast", HEADERS)
 
 
 def _writable(state, name, in_inference_mode: bool):

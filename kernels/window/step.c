@@ -21,40 +21,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define MAX_D 256
+#include "../memory/codes.h" /* MAX_D, bfloat16, 8-float vectors, the memory's codes */
+
 #define MAX_G 16
-
-static inline float bf16_to_float(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-/* round to nearest even, as c10::BFloat16 */
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 static inline void store(void *p, int bf16, int64_t i, float x) {
     if (bf16) ((uint16_t *)p)[i] = float_to_bf16(x);
     else ((float *)p)[i] = x;
-}
-
-/* 8 floats at a time (GCC/Clang vector extension): the compilers do not vectorise a float sum on their own without
- * -ffast-math, which this file must not use */
-typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i32 __attribute__((vector_size(32)));
-typedef uint8_t v8u8 __attribute__((vector_size(8)));
-typedef int8_t v8i8 __attribute__((vector_size(8)));
-
-static inline v8f load8(const float *p) {
-    v8f x;
-    memcpy(&x, p, sizeof(x));
-    return x;
 }
 
 static inline float dot(const float *a, const float *b, int D) {
@@ -75,33 +48,6 @@ static inline void axpy(float *y, float w, const float *x, int D) {
     for (; d < D; d++) y[d] += w * x[d];
 }
 
-/* row of D elements at element offset off of a float32 or bfloat16 array, as float32 */
-static inline void load_row(float *dst, const void *src, int bf16, int64_t off, int D) {
-    if (!bf16) {
-        memcpy(dst, (const float *)src + off, sizeof(float) * D);
-        return;
-    }
-    const uint16_t *h = (const uint16_t *)src + off;
-    for (int d = 0; d < D; d++) {
-        uint32_t u = (uint32_t)h[d] << 16;
-        memcpy(dst + d, &u, 4);
-    }
-}
-
-/* x times the +-1 Sylvester-Hadamard matrix, as modeling_aaren.hadamard's butterflies (without its 1 / D): the top
- * bit of the index is paired each round and becomes the lowest */
-static void butterflies(float *x, int D) {
-    float t[MAX_D];
-    for (int n = D; n > 1; n >>= 1) {
-        int half = D / 2;
-        for (int i = 0; i < half; i++) {
-            t[2 * i] = x[i] + x[i + half];
-            t[2 * i + 1] = x[i] - x[i + half];
-        }
-        memcpy(x, t, sizeof(float) * D);
-    }
-}
-
 /* rotate-half rotary on the first rot channels, as modeling_aaren.rotate_by: x * cos + rotate_half(x) * sin */
 static void rotary(const float *x, const float *c, const float *s, int rot, int D, float *out) {
     int half = rot / 2;
@@ -112,71 +58,6 @@ static void rotary(const float *x, const float *c, const float *s, int rot, int 
         out[d] = a + b;
     }
     for (int d = rot; d < D; d++) out[d] = x[d];
-}
-
-/* MemoryCodes.encode of one vector: codes (D / 2 bytes at 4 bits, D at 8) and a bfloat16 scale */
-static void encode(const float *x_in, int D, int bits, int rotate, uint8_t *codes, uint16_t *scale) {
-    float x[MAX_D];
-    float top = bits == 8 ? 127.0f : 7.0f;
-    for (int d = 0; d < D; d++) x[d] = rotate ? x_in[d] / (float)D : x_in[d];
-    if (rotate) butterflies(x, D);
-    float amax = 0.0f;
-    for (int d = 0; d < D; d++) {
-        float a = fabsf(x[d]);
-        if (a > amax || isnan(a)) amax = a;
-    }
-    uint16_t sc = float_to_bf16(amax / top);
-    float den = bf16_to_float(sc);
-    if (den < 1.17549435e-38f) den = 1.17549435e-38f; /* clamp(min=finfo(float32).tiny) */
-    float c[MAX_D];
-    for (int d = 0; d < D; d++) {
-        float q = rintf(x[d] / den);
-        c[d] = q < -top ? -top : (q > top ? top : q);
-    }
-    if (bits == 8) {
-        for (int d = 0; d < D; d++) ((int8_t *)codes)[d] = (int8_t)c[d];
-    } else {
-        int half = D / 2;
-        for (int d = 0; d < half; d++)
-            codes[d] = (uint8_t)((uint8_t)(c[d] + 8.0f) | ((uint8_t)(c[d + half] + 8.0f) << 4));
-    }
-    *scale = sc;
-}
-
-/* memory entry e as a query reads it (MemoryCodes.decode, rotated codes left rotated); bits 0: no codes, stored as
- * the window stores keys and values */
-static void read_entry(const void *mem, const uint16_t *scales, int64_t e, int D, int bits, int bf16, float *out) {
-    if (bits == 0) {
-        load_row(out, mem, bf16, e * D, D);
-        return;
-    }
-    float sc = bf16_to_float(scales[e]);
-    int d = 0;
-    if (bits == 8) {
-        const int8_t *c = (const int8_t *)mem + e * D;
-        for (; d + 8 <= D; d += 8) {
-            v8i8 x;
-            memcpy(&x, c + d, 8);
-            v8f r = __builtin_convertvector(x, v8f) * sc;
-            memcpy(out + d, &r, sizeof(r));
-        }
-        for (; d < D; d++) out[d] = (float)c[d] * sc;
-    } else {
-        int half = D / 2;
-        const uint8_t *c = (const uint8_t *)mem + e * half;
-        for (; d + 8 <= half; d += 8) {
-            v8u8 x;
-            memcpy(&x, c + d, 8);
-            v8f lo = __builtin_convertvector(__builtin_convertvector(x & 15, v8i32) - 8, v8f) * sc;
-            v8f hi = __builtin_convertvector(__builtin_convertvector(x >> 4, v8i32) - 8, v8f) * sc;
-            memcpy(out + d, &lo, sizeof(lo));
-            memcpy(out + d + half, &hi, sizeof(hi));
-        }
-        for (; d < half; d++) {
-            out[d] = (float)((int)(c[d] & 15) - 8) * sc;
-            out[d + half] = (float)((int)(c[d] >> 4) - 8) * sc;
-        }
-    }
 }
 
 /* whether aaren_window_step takes these shapes (where not, it returns 1 and writes nothing) */
