@@ -213,3 +213,25 @@ def test_a_new_build_deletes_the_builds_no_load_used_for_keep_days(monkeypatch, 
     monkeypatch.setattr(cbuild, "_loaded", {})
     assert load() is not None
     assert build.stat().st_mtime > month_ago + 86400
+
+
+def test_every_file_a_kernel_builds_from_ships_with_the_package():
+    """A wheel holds only what setup.cfg's package_data names: a C source or header left out there would make the
+    kernel fail to build on an installed copy (and the model quietly run its PyTorch code)."""
+    import configparser
+    import fnmatch
+    from pathlib import Path
+
+    from aaren_hf.kernels import aaren as aaren_kernel
+    from aaren_hf.kernels import memory as memory_kernel
+
+    setup = configparser.ConfigParser()
+    setup.read(Path(__file__).parent.parent / "setup.cfg")
+    shipped = {package: [p.strip() for p in patterns.split(",")]
+               for package, patterns in setup["options.package_data"].items()}
+    files = {*aaren_kernel.SOURCES, *memory_kernel.SOURCES, *memory_kernel.HEADERS, *mixer_kernel.SOURCES,
+             *mixer_kernel.HEADERS}
+    assert any(f.suffix == ".h" for f in files)
+    for f in files:
+        patterns = shipped.get(f"aaren_hf.kernels.{f.parent.name}", [])
+        assert any(fnmatch.fnmatch(f.name, p) for p in patterns), f"{f.parent.name}/{f.name} is not in package_data"
