@@ -399,9 +399,12 @@ def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sin
 def _attention(q, k, v, bias, scale):
     """Softmax attention of q [N, G, Q, D] over keys and values [N, 1, K, D] shared by the G heads, bias
     [N, 1, Q, K] added to the scaled scores."""
-    if _SDPA_SHARES_KEYS:
+    if _SDPA_SHARES_KEYS and not q.is_cuda:  # PyTorch's CPU flash kernel takes a mask with enable_gqa
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=True)
-    G = q.shape[1]  # torch < 2.5 (a Hub user's): the keys repeated per head
+    # On CUDA a mask with enable_gqa leaves SDPA only its math backend, which holds every score (and softmax) in
+    # float32 and, training, keeps them for backward; keys broadcast over the G heads (stride 0: no copy) go to the
+    # memory-efficient kernel instead. torch < 2.5 (a Hub user's) has no enable_gqa at all.
+    G = q.shape[1]
     return F.scaled_dot_product_attention(q, k.expand(-1, G, -1, -1), v.expand(-1, G, -1, -1), attn_mask=bias,
                                           scale=scale)
 

@@ -1052,6 +1052,33 @@ def test_peft_lora_training_step_with_gradient_checkpointing_and_merge(monkeypat
 
 
 @pytest.mark.requires_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_window_attention_runs_in_the_memory_efficient_kernel(dtype):
+    """The window, memory and sink attention of a prefill, forward and backward, with SDPA allowed only its
+    memory-efficient kernel (not the math backend, which keeps every score in float32): it runs, and gives the math
+    backend's outputs and gradients."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    kw = dict(window_size=8, num_sink_tokens=1, num_key_value_heads=2, memory_size=6)
+    mixer = tiny_model(**kw).model.layers[0].mixer.to("cuda", dtype)
+    gen = torch.Generator().manual_seed(5)
+    B, T, H, Hkv, D = 2, 50, 4, 2, mixer.head_dim
+    q, k, v = (torch.randn(B, T, h, D, generator=gen).to("cuda", dtype) for h in (H, Hkv, Hkv))
+    pos = torch.arange(T).expand(B, T).cuda()
+    retention = torch.randint(0, 4, (B, T, Hkv), generator=gen).float().cuda()
+    results = []
+    for backend in (SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH):
+        inputs = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        with sdpa_kernel([backend]):
+            out = mixer.window_branch(*inputs, pos, None, retention)
+            out.float().square().sum().backward()
+        results.append([out.detach().float()] + [t.grad.float() for t in inputs])
+    tol = dict(atol=1e-3, rtol=1e-3) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, **tol)
+
+
+@pytest.mark.requires_gpu
 @pytest.mark.parametrize("case", ["paper", "decay_input", "everything", "memory_int4_hadamard", "memory_shared"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_model_matches_cpu_and_its_own_decode(case, dtype):
