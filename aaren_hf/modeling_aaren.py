@@ -13,7 +13,7 @@ Nothing grows with the context.
 import copy
 import math
 from dataclasses import dataclass
-from functools import partial
+from functools import lru_cache, partial
 from typing import Optional
 
 import torch
@@ -516,6 +516,10 @@ class MemoryCodes:
         wide = torch.float64 if _autocast_on(x.device.type) else torch.float32
         return (x.to(wide) @ hadamard_signs(x.shape[-1], x.device, wide)).float()
 
+    def empty_code(self, D: int) -> int:
+        """The code byte of a zero vector of width D (every byte of it is this one)."""
+        return _zero_code(self, D)
+
     def round(self, x: torch.Tensor) -> torch.Tensor:
         """x as the memory stores it gives it back, in float32. Gradients pass straight through to x, as they do
         through :func:`round_to_cache`'s casts."""
@@ -532,6 +536,11 @@ class MemoryCodes:
             rounded = self.decode(*coded), coded
         back, coded = rounded
         return (back + (x - x.detach()) if x.requires_grad else back), coded
+
+
+@lru_cache(maxsize=None)
+def _zero_code(codes: MemoryCodes, D: int) -> int:
+    return int(codes.encode(torch.zeros(D))[0][0])
 
 
 def _autocast_on(device_type: str) -> bool:
@@ -1131,14 +1140,14 @@ class AarenMixer(nn.Module):
         if coded is not None:  # the codes memory_candidates took (what as_stored would give again)
             D = candidates.pop("k").shape[-1]
             del candidates["v"]
-            zero = self.memory_codes.encode(torch.zeros(D, device=keep.device))  # an empty slot's codes and scale
             candidates.update(k=coded[0][0], v=coded[0][1], k_scale=coded[1][0], v_scale=coded[1][1])
         if C < M:  # fewer candidates than slots: pad with empty ones
             pad = M - C
             keep = F.pad(keep, (0, pad))
             empty = {"k": 0.0, "v": 0.0, "pos": -1, "score": float("-inf")}
-            if coded is not None:
-                empty.update(k=int(zero[0][0]), v=int(zero[0][0]), k_scale=0.0, v_scale=0.0)
+            if coded is not None:  # an empty slot holds the codes of a zero vector, scale 0
+                code = self.memory_codes.empty_code(D)
+                empty.update(k=code, v=code, k_scale=0.0, v_scale=0.0)
             for name, value in empty.items():
                 t = candidates[name]
                 widths = (0, 0, 0, pad) if t.dim() == 4 else (0, pad)
