@@ -47,7 +47,11 @@ except ImportError:
 # tokens per sequence as PREFILL_TOKENS_GPU allows for the whole batch, and never fewer than on a CPU.
 PREFILL_CHUNK = 2048
 PREFILL_TOKENS_GPU = 32768
-SWEEP_PAIRS_GPU = 1 << 26  # the memory's ranking on a GPU: comparisons per block of the sweep (sweep_block)
+# The memory's ranking sweep (without the C kernel) ranks several blocks of candidates in one pass, as many as keep
+# its comparisons within this many (sweep_plan): on a CPU a few blocks at a time; on a GPU, where each pass is tens
+# of launches, every block of a 32K-token piece at once (about 1.5 GB of temporaries at most).
+SWEEP_PAIRS = 1 << 24
+SWEEP_PAIRS_GPU = 1 << 28
 
 
 def prefill_piece(batch: int, device: torch.device) -> int:
@@ -573,9 +577,11 @@ def memory_visibility(cand_pos, cand_score, first_stream, window, num_sinks, mem
     none; evict [B, Hkv, C], -1 for candidates that are never in it). Query i sees c iff c <= last[i] < evict[c]
     (:func:`memory_seen`).
 
-    ``evict`` comes from a sweep over the candidates in blocks that carries the current top set (at most M): each
-    block ranks M + block candidates against each other, so the cost is O(C * (M + block)), never C x C. On a CPU
-    with this package, ``memory_evict_cpu`` (kernels/memory) computes the same indices with a heap per row.
+    ``evict`` comes from a sweep over the candidates in blocks: each block ranks the top set before it (the M best
+    so far) and its own candidates against each other, so the cost is O(C * (M + block)), never C x C; one top-M
+    over the candidates' order gives every block its top set, so many blocks are ranked in one pass
+    (:func:`sweep_plan`). On a CPU with this package, ``memory_evict_cpu`` (kernels/memory) computes the same
+    indices with a heap per row.
     """
     B, Hkv, C = cand_pos.shape
     M, device = memory_size, cand_pos.device
@@ -587,49 +593,54 @@ def memory_visibility(cand_pos, cand_score, first_stream, window, num_sinks, mem
     if memory_evict_cpu is not None:
         evict = memory_evict_cpu(cand_pos, cand_score, upto, num_sinks, M)
     if evict is None:
-        evict = _evict_sweep(cand_pos, cand_score, real, upto, M, block or sweep_block(B, Hkv, M, device))
+        evict = _evict_sweep(cand_pos, cand_score, real, upto, M, *sweep_plan(B, Hkv, M, device, block))
     return last, torch.where(real, evict, -1)
 
 
-def sweep_block(B, Hkv, M, device) -> int:
-    """Candidates per block of the ranking sweep: 2M (at least 64) on a CPU; on a GPU, where each block's thirty-odd
-    operators cost launches rather than arithmetic, as many as keep a block's B x Hkv x (M + block)^2 comparisons
-    within SWEEP_PAIRS_GPU (4,281 for one sequence of 3 kv heads and M = 448: a fifth of the launches)."""
-    block = max(64, 2 * M)
-    if device.type == "cpu":
-        return block
-    return max(block, math.isqrt(SWEEP_PAIRS_GPU // (B * Hkv)) - M)
+def sweep_plan(B, Hkv, M, device, block=None) -> tuple:
+    """(candidates per block, comparisons per pass) of the ranking sweep: blocks of M (at least 64), which makes the
+    fewest comparisons in all (a block ranks the M of the top set and its own against each other), and as many of
+    them in one pass as SWEEP_PAIRS comparisons allow, or SWEEP_PAIRS_GPU off a CPU (where a pass costs launches:
+    one pass for a 32K-token piece of one sequence with 3 kv heads and M = 448)."""
+    return block or max(64, M), SWEEP_PAIRS if device.type == "cpu" else SWEEP_PAIRS_GPU
 
 
-def _evict_sweep(cand_pos, cand_score, real, upto, M, block):
-    """:func:`memory_visibility`'s evict (C where never evicted or after ``upto``) by the block sweep."""
+def _evict_sweep(cand_pos, cand_score, real, upto, M, block, pairs):
+    """:func:`memory_visibility`'s evict (C where never evicted or after ``upto``) by the block sweep: each block
+    ranks the top set before it (the M best real candidates so far, which a top-M over the candidates' order gives
+    for every block at once) and its own candidates against each other, as many blocks per pass as keep the
+    comparisons (and the candidates the top sets are chosen from) within ``pairs``."""
     B, Hkv, C = cand_pos.shape
+    at_once = max(1, pairs // (B * Hkv * max((M + block) ** 2, C + 1)))
     device = cand_pos.device
-    # column C: an empty slot of the carried top set (never real, never ranks above anything)
-    pos_x = F.pad(cand_pos, (0, 1), value=-1)
-    score_x = F.pad(cand_score.float(), (0, 1), value=float("-inf"))
-    real_x = F.pad(real, (0, 1), value=False)
+    # rank: the candidates' order by score, then position (the newer above), as numbers, the higher above; -1 for
+    # those that are not real and for column C, an empty slot of a top set
+    by_pos = cand_pos.argsort(-1)
+    order = by_pos.gather(-1, torch.sort(cand_score.float().gather(-1, by_pos), dim=-1, stable=True).indices)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(C, device=device).expand(B, Hkv, C))
+    rank = F.pad(torch.where(real, rank, -1), (0, 1), value=-1)
     evict = torch.full((B, Hkv, C + 1), C, dtype=torch.long, device=device)
-    top = torch.full((B, Hkv, 0), C, dtype=torch.long, device=device)
-    for e0 in range(0, upto, block):
-        new = torch.arange(e0, min(e0 + block, upto), device=device).expand(B, Hkv, -1)
-        cand = torch.cat([top, new], 2)  # [B, Hkv, U]: the top set before this block, then the block
-        p, s, r = pos_x.gather(2, cand), score_x.gather(2, cand), real_x.gather(2, cand)
-        # beats[d, c]: candidate d ranks above candidate c
-        s_hi, s_lo = s.unsqueeze(-1), s.unsqueeze(-2)
-        beats = r.unsqueeze(-1) & ((s_hi > s_lo) | ((s_hi == s_lo) & (p.unsqueeze(-1) > p.unsqueeze(-2))))
-        # rank[e, c]: how many of (top set, block up to e) rank above c. Exact for the top set; for a block member
+    K, n_blocks = min(M, C), -(-upto // block)
+    for first in range(0, n_blocks, at_once):
+        e0 = torch.arange(first, min(first + at_once, n_blocks), device=device).view(-1, 1) * block  # [n, 1]
+        # the top set before each block: the K highest ranks among the candidates before its first (none: column C)
+        earlier = torch.arange(C + 1, device=device) < e0  # [n, C + 1]
+        top_rank, top = torch.where(earlier, rank.unsqueeze(2), -1).topk(K, dim=-1)  # [B, Hkv, n, K]
+        new = e0 + torch.arange(block, device=device)
+        # [B, Hkv, n, K + block]: each block's top set, then the block
+        cand = torch.cat([torch.where(top_rank >= 0, top, C), torch.where(new < upto, new, C).expand(B, Hkv, -1, -1)],
+                         -1)
+        r = rank.gather(-1, cand.flatten(2)).view(cand.shape)
+        beats = (r.unsqueeze(-1) > r.unsqueeze(-2)) & (r.unsqueeze(-1) >= 0)  # [..., d, c]: d ranks above c
+        # above[e, c]: how many of (top set, block up to e) rank above c. Exact for the top set; for a block member
         # the candidates before the block that rank above it are either in the top set or ranked below all of it,
-        # in which case the full top set ranks above it already: rank >= M either way.
-        held = top.shape[2]
-        rank = beats[:, :, :held].sum(2, keepdim=True, dtype=torch.int32) + beats[:, :, held:].cumsum(2, dtype=torch.int32)
-        out = rank >= M
-        leaves = out.any(2)
-        at = torch.maximum(e0 + out.to(torch.uint8).argmax(2), cand)  # a candidate leaves no earlier than it enters
-        evict.scatter_(2, torch.where(leaves, cand, C), at)
-        stays = r & ~leaves
-        order = torch.sort((~stays).to(torch.uint8), dim=-1, stable=True).indices[..., :M]
-        top = torch.where(stays.gather(2, order), cand.gather(2, order), C)
+        # in which case the full top set ranks above it already: >= M either way.
+        above = (beats[..., :K, :].sum(-2, keepdim=True, dtype=torch.int32)
+                 + beats[..., K:, :].cumsum(-2, dtype=torch.int32))
+        out = above >= M
+        # a candidate leaves in the one block where it drops out of the top set, no earlier than it enters
+        at = torch.maximum(e0 + out.to(torch.uint8).argmax(-2), cand)
+        evict.scatter_(-1, torch.where(out.any(-2), cand, C).flatten(2), at.flatten(2))
     return evict[..., :C]
 
 

@@ -5,7 +5,7 @@ launch-bound, pays in kernel launches. Counts every PyTorch operator that runs e
 GPU), through the PyTorch path a GPU runs (``AAREN_BACKEND=torch``: no C kernels; on a GPU the scan is one Triton
 call where this counts the chunked PyTorch scan's ~150 operators per piece and layer). Deterministic: no timing.
 
-    python -P benchmarks/count_ops.py                       # 32K tokens: CPU pieces, one GPU piece, GPU sweep blocks
+    python -P benchmarks/count_ops.py                       # 32K tokens: CPU pieces, one GPU piece, GPU sweep passes
     python -P benchmarks/count_ops.py --tokens 4096 --layers 1
 """
 
@@ -51,16 +51,20 @@ def main(argv=None):
     student = build_student(teacher, bench_model.mixer_options("aaren", "smollm2-135m")).eval()
     ids = torch.randint(3, shape["vocab_size"], (1, args.tokens))
     gpu = torch.device("cuda")  # only asked for its sizes: nothing runs there
-    cases = [("CPU pieces, CPU sweep blocks", modeling.PREFILL_CHUNK, False),
-             ("GPU pieces, CPU sweep blocks", modeling.prefill_piece(1, gpu), False),
-             ("GPU pieces, GPU sweep blocks", modeling.prefill_piece(1, gpu), True)]
-    chunk, block, backend = modeling.PREFILL_CHUNK, modeling.sweep_block, os.environ.get("AAREN_BACKEND")
+    cases = [("CPU pieces, CPU sweep passes", modeling.PREFILL_CHUNK, False),
+             ("GPU pieces, CPU sweep passes", modeling.prefill_piece(1, gpu), False),
+             ("GPU pieces, GPU sweep passes", modeling.prefill_piece(1, gpu), True)]
+    saved = modeling.PREFILL_CHUNK, modeling.sweep_plan, modeling._block_groups, os.environ.get("AAREN_BACKEND")
+    chunk, plan, runs, backend = saved
     os.environ["AAREN_BACKEND"] = "torch"  # the C kernels off (each call asks)
     counts, first = [], None
     try:
-        for label, piece, gpu_blocks in cases:
+        for label, piece, gpu_passes in cases:
             modeling.PREFILL_CHUNK = piece
-            modeling.sweep_block = (lambda B, Hkv, M, device: block(B, Hkv, M, gpu)) if gpu_blocks else block
+            modeling.sweep_plan = (lambda B, Hkv, M, device, block=None: plan(B, Hkv, M, gpu, block)) if gpu_passes \
+                else plan
+            if piece != chunk:  # a GPU's window attention: one call for all query blocks (no runs by width)
+                modeling._block_groups = lambda counts, fixed: [(0, len(counts), max(1, *counts))]
             counter = CountOps()
             with torch.no_grad(), counter:
                 logits = student(ids, use_cache=True, logits_to_keep=1).logits
@@ -70,7 +74,7 @@ def main(argv=None):
             print(f"{label} ({piece}-token pieces): {per_layer:,.0f} operators per layer for {args.tokens:,} tokens; "
                   f"logits differ from the first by {diff:.1e}")
     finally:
-        modeling.PREFILL_CHUNK, modeling.sweep_block = chunk, block
+        modeling.PREFILL_CHUNK, modeling.sweep_plan, modeling._block_groups = chunk, plan, runs
         if backend is None:
             os.environ.pop("AAREN_BACKEND")
         else:

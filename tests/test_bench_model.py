@@ -111,19 +111,21 @@ def test_bench_model_arguments():
         bench.parse_args(["--device", "cpu", "--prefill-tokens", "0"])
 
 
-def test_count_ops_gpu_pieces_and_sweep_blocks_run_fewer_operators():
-    """benchmarks/count_ops.py: a prompt past one CPU piece and several CPU sweep blocks (the default mixer's memory
+def test_count_ops_gpu_pieces_and_sweep_passes_run_fewer_operators():
+    """benchmarks/count_ops.py: a prompt past one CPU piece and several CPU sweep passes (the default mixer's memory
     ranks 448 of the tokens that left its 64-token window) runs fewer operators in the GPU's one piece, fewer still
-    with its larger sweep blocks, with the same logits to float rounding; the module's sizes and the C kernels'
-    switch are left as they were."""
+    with its larger sweep passes, with the same logits to float rounding; the module's sizes, functions and the C
+    kernels' switch are left as they were."""
     import os
 
     load_bench()
     count_ops = importlib.import_module("count_ops")
     from aaren_hf import modeling_aaren
 
-    before = (modeling_aaren.PREFILL_CHUNK, modeling_aaren.sweep_block, os.environ.get("AAREN_BACKEND"))
-    (cpu, _), (one_piece, diff_piece), (gpu, diff_gpu) = count_ops.main(["--tokens", "2600", "--layers", "1"])
+    before = (modeling_aaren.PREFILL_CHUNK, modeling_aaren.sweep_plan, modeling_aaren._block_groups,
+              os.environ.get("AAREN_BACKEND"))
+    (cpu, _), (one_piece, diff_piece), (gpu, diff_gpu) = count_ops.main(["--tokens", "4000", "--layers", "1"])
     assert cpu > one_piece > gpu > 0
     assert diff_piece < 1e-4 and diff_gpu < 1e-4
-    assert (modeling_aaren.PREFILL_CHUNK, modeling_aaren.sweep_block, os.environ.get("AAREN_BACKEND")) == before
+    assert (modeling_aaren.PREFILL_CHUNK, modeling_aaren.sweep_plan, modeling_aaren._block_groups,
+            os.environ.get("AAREN_BACKEND")) == before

@@ -263,19 +263,28 @@ def test_prefill_pieces_are_longer_on_a_gpu_within_one_token_budget():
     assert prefill_piece(1, torch.device("cuda")) == PREFILL_TOKENS_GPU
 
 
-def test_the_ranking_sweep_takes_larger_blocks_on_a_gpu_within_one_budget():
-    """A CPU sweeps the memory's candidates in blocks of 2M (at least 64); elsewhere (launch-bound) a block is as
-    large as SWEEP_PAIRS_GPU comparisons allow, never smaller. Any block gives the same ranking: the brute-force
-    test above runs blocks of 1 to 8."""
-    from aaren_hf.modeling_aaren import SWEEP_PAIRS_GPU, sweep_block
+def test_the_ranking_sweep_ranks_as_many_blocks_per_pass_as_its_budget_allows(monkeypatch):
+    """The sweep's blocks hold M candidates (at least 64), the fewest comparisons in all; a pass ranks as many blocks
+    as SWEEP_PAIRS comparisons allow on a CPU, SWEEP_PAIRS_GPU elsewhere (launch-bound): one pass for a 32K-token
+    piece of one sequence on a GPU. Any block and any number per pass give the same ranking: the brute-force test
+    above draws both."""
+    from aaren_hf.modeling_aaren import SWEEP_PAIRS, SWEEP_PAIRS_GPU, _evict_sweep, sweep_plan
 
-    for B, Hkv, M in ((1, 3, 448), (2, 3, 448), (8, 3, 448), (32, 3, 448), (1, 1, 16), (4, 2, 0)):
-        floor = max(64, 2 * M)
-        assert sweep_block(B, Hkv, M, torch.device("cpu")) == floor
-        block = sweep_block(B, Hkv, M, torch.device("cuda"))
-        assert block == floor or (block > floor and B * Hkv * (M + block) ** 2 <= SWEEP_PAIRS_GPU
-                                  < B * Hkv * (M + block + 1) ** 2)
-    assert sweep_block(1, 3, 448, torch.device("cuda")) > 4 * 896
+    for M in (0, 16, 448, 1 << 20):
+        assert sweep_plan(2, 3, M, torch.device("cpu")) == (max(64, M), SWEEP_PAIRS)
+        assert sweep_plan(2, 3, M, torch.device("cuda")) == (max(64, M), SWEEP_PAIRS_GPU)
+    assert sweep_plan(1, 3, 448, torch.device("cpu"), block=5) == (5, SWEEP_PAIRS)
+    # count the passes: topk runs once per pass
+    passes = []
+    topk = torch.Tensor.topk
+    monkeypatch.setattr(torch.Tensor, "topk", lambda self, *a, **k: passes.append(1) or topk(self, *a, **k))
+    T, M = 32768 + 448 + 63, 448
+    pos, score = torch.arange(T).expand(1, 3, T), torch.zeros(1, 3, T)
+    _evict_sweep(pos, score, pos >= 0, T, M, *sweep_plan(1, 3, M, torch.device("cuda")))
+    assert len(passes) == 1
+    passes.clear()
+    _evict_sweep(pos, score, pos >= 0, T, M, *sweep_plan(1, 3, M, torch.device("cpu")))
+    assert len(passes) == -(-T // M // (SWEEP_PAIRS // (3 * (2 * M) ** 2)))
 
 
 def test_logits_to_keep_and_hidden_states():
@@ -518,8 +527,9 @@ def test_memory_blocks_in_runs_give_the_one_call_answer(monkeypatch):
 def test_memory_visibility_equals_ranking_every_query_by_brute_force(ranking, monkeypatch):
     """The ranking behind the memory against its definition: each query sees, per kv head, the M best (score, then
     newer) real candidates that have left its window. Held entries first (some empty), left padding, sinks, scores
-    with many ties. "sweep": the PyTorch reference (blocks carrying the top set, never C x C), block sizes from 1 up;
-    "c": the heap of kernels/memory/evict.c, which serves CPUs."""
+    with many ties. "sweep": the PyTorch reference (blocks ranked against the top set before them, never C x C),
+    blocks of 1 to 8 candidates, 1 to 3 of them per pass; "c": the heap of kernels/memory/evict.c, which serves
+    CPUs."""
     if ranking == "sweep":
         monkeypatch.setattr(modeling, "memory_evict_cpu", None)
     elif modeling.memory_evict_cpu is None or memory_kernel.memory_evict_cpu(
@@ -537,6 +547,8 @@ def test_memory_visibility_equals_ranking_every_query_by_brute_force(ranking, mo
         pos[0, :, first : first + 2] = -1  # left padding
         score = torch.randint(0, 4, (B, Hkv, C), generator=g).float() / 64
         block = int(torch.randint(1, 9, (1,), generator=g))
+        monkeypatch.setattr(modeling, "SWEEP_PAIRS", int(torch.randint(1, 4, (1,), generator=g)) * B * Hkv
+                            * max((M + block) ** 2, C + 1))  # 1 to 3 blocks per pass
         last, evict = memory_visibility(pos, score, first, W, S, M, T, block=block)
         got = memory_seen(evict, last)  # [B, Hkv, T + 1, C]
         want = torch.zeros_like(got)
