@@ -376,9 +376,7 @@ def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sin
     outs = []
     for n0, n1, width in groups:
         nb = n1 - n0
-        run = list(zip(rows, seen))
-        if nb < nblk:
-            run = [(r[:, n0:n1] if r.shape[1] > 1 else r, s[:, n0:n1]) for r, s in run]
+        run = [(r[:, n0:n1] if r.shape[1] > 1 else r, s[:, n0:n1]) for r, s in zip(rows, seen)]  # views
         if width is not None:  # the memory part (seen candidates first in every block) cut to this run's width
             run[1] = (run[1][0][..., :width], run[1][1][..., :width])
         run_rows = torch.cat([r.expand(B, nb, Hkv, -1) for r, _ in run], -1)
@@ -392,8 +390,8 @@ def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sin
         for _, part in run:
             torch.where(part.expand(B, nb, Hkv, Q, -1), zero, minus_inf, out=bias[..., start:start + part.shape[-1]])
             start += part.shape[-1]
-        o = _attention((qw if nb == nblk else qw[:, n0:n1]).reshape(-1, G, Q, Dx), kx.view(-1, 1, Lk, Dx),
-                       vx.view(-1, 1, Lk, Dx), bias.view(-1, 1, Q, Lk), scale)
+        o = _attention(qw[:, n0:n1].reshape(-1, G, Q, Dx), kx.view(-1, 1, Lk, Dx), vx.view(-1, 1, Lk, Dx),
+                       bias.view(-1, 1, Q, Lk), scale)
         outs.append(o.view(B, nb, Hkv, G, Q, Dx))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
     out = out[..., :D].permute(0, 1, 4, 2, 3, 5).reshape(B, Tp, H, D)[:, :T]
@@ -520,9 +518,10 @@ class MemoryCodes:
         wide = torch.float64 if _autocast_on(x.device.type) else torch.float32
         return (x.to(wide) @ hadamard_signs(x.shape[-1], x.device, wide)).float()
 
+    @lru_cache(maxsize=None)
     def empty_code(self, D: int) -> int:
-        """The code byte of a zero vector of width D (every byte of it is this one)."""
-        return _zero_code(self, D)
+        """The code byte of a zero vector of width D (every byte of it is this one), computed once."""
+        return int(self.encode(torch.zeros(D))[0][0])
 
     def round(self, x: torch.Tensor) -> torch.Tensor:
         """x as the memory stores it gives it back, in float32. Gradients pass straight through to x, as they do
@@ -540,11 +539,6 @@ class MemoryCodes:
             rounded = self.decode(*coded), coded
         back, coded = rounded
         return (back + (x - x.detach()) if x.requires_grad else back), coded
-
-
-@lru_cache(maxsize=None)
-def _zero_code(codes: MemoryCodes, D: int) -> int:
-    return int(codes.encode(torch.zeros(D))[0][0])
 
 
 def _autocast_on(device_type: str) -> bool:

@@ -438,6 +438,20 @@ def test_window_branch_matches_brute_force(window, sinks, split, shared_keys, mo
         assert (no_sink - want).abs().max() > 1e-2
 
 
+def memory_inputs(T, D, seed, padding):
+    """Inputs of the memory tier's tests: batch 2, GQA (4 q / 2 kv heads), peaked q and k (wrong key sets show),
+    retention scores on a coarse grid (ties), ``padding`` left-padding tokens in row 1. Returns (q, k, v, retention,
+    pos, the generator, for more draws)."""
+    B, H, Hkv = 2, 4, 2
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (3 * torch.randn(B, T, H, D, generator=gen), 3 * torch.randn(B, T, Hkv, D, generator=gen),
+               torch.randn(B, T, Hkv, D, generator=gen))
+    retention = torch.randint(0, 4, (B, T, Hkv), generator=gen).float()
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[1, :padding] = False
+    return q, k, v, retention, (mask.long().cumsum(1) - 1).masked_fill(~mask, -1), gen
+
+
 @pytest.mark.parametrize("window,sinks,memory,splits", [(4, 1, 3, (6,)), (3, 0, 2, (1, 2, 3)), (2, 2, 5, (9,)),
                                                           (5, 1, 1, (4, 1, 1, 1)), (3, 1, 4, ())])
 def test_memory_matches_brute_force(window, sinks, memory, splits):
@@ -447,14 +461,8 @@ def test_memory_matches_brute_force(window, sinks, memory, splits):
     kw = dict(window_size=window, num_sink_tokens=sinks, num_key_value_heads=2, memory_size=memory)
     config = tiny_config(**kw)
     mixer = tiny_model(**kw).model.layers[0].mixer
-    B, T, H, Hkv, D = 2, 17, 4, 2, config.head_dim
-    gen = torch.Generator().manual_seed(11)
-    q, k, v = (3 * torch.randn(B, T, H, D, generator=gen), 3 * torch.randn(B, T, Hkv, D, generator=gen),
-               torch.randn(B, T, Hkv, D, generator=gen))
-    retention = torch.randint(0, 4, (B, T, Hkv), generator=gen).float()
-    mask = torch.ones(B, T, dtype=torch.bool)
-    mask[1, :3] = False
-    pos = (mask.long().cumsum(1) - 1).masked_fill(~mask, -1)
+    B, T, Hkv, D = 2, 17, 2, config.head_dim
+    q, k, v, retention, pos, _ = memory_inputs(T, D, seed=11, padding=3)
     want = brute_force_window(q, k, v, pos, window, sinks, mixer.rope_inv_freq, mixer.scale, memory, retention)
     with torch.no_grad():
         whole = mixer.window_branch(q, k, v, pos, None, retention)
@@ -494,14 +502,7 @@ def test_memory_blocks_in_runs_give_the_one_call_answer(monkeypatch):
     kw = dict(window_size=4, num_sink_tokens=1, num_key_value_heads=2, memory_size=12)
     config = tiny_config(**kw)
     mixer = tiny_model(**kw).model.layers[0].mixer
-    B, T, H, Hkv, D = 2, 45, 4, 2, config.head_dim
-    gen = torch.Generator().manual_seed(3)
-    q, k, v = (3 * torch.randn(B, T, H, D, generator=gen), 3 * torch.randn(B, T, Hkv, D, generator=gen),
-               torch.randn(B, T, Hkv, D, generator=gen))
-    retention = torch.randint(0, 4, (B, T, Hkv), generator=gen).float()
-    mask = torch.ones(B, T, dtype=torch.bool)
-    mask[1, :5] = False
-    pos = (mask.long().cumsum(1) - 1).masked_fill(~mask, -1)
+    q, k, v, retention, pos, gen = memory_inputs(45, config.head_dim, seed=3, padding=5)
     runs = []
     grouped = modeling._block_groups
     monkeypatch.setattr(modeling, "_block_groups", lambda *a: runs.append(grouped(*a)) or runs[-1])
