@@ -546,6 +546,8 @@ def _autocast_on(device_type: str) -> bool:
         return torch.is_autocast_enabled(device_type)
     except TypeError:  # torch < 2.4 (a Hub user's): no per-device query
         return torch.is_autocast_enabled() if device_type == "cuda" else torch.is_autocast_cpu_enabled()
+    except RuntimeError:  # a device without autocast (meta)
+        return False
 
 
 def round_retention(score: torch.Tensor) -> torch.Tensor:
@@ -1000,10 +1002,6 @@ class AarenMixer(nn.Module):
         (cos, sin), sink_angles = self.step_angles(pos, shared)
         p = pos[:, 0]
         stored = state.window_k.dtype
-        # Rare cases, checked on the host (the general path syncs too): a padding token, or one so early (after left
-        # padding) that it fills a sink slot or still has the sinks in its window.
-        lowest = int(p.min())
-        early = S > 0 and lowest < S + W - 1
         qk = rotate_by(torch.cat([q, k], 2), cos, sin)  # q and k at the token's position
         k = to_cache(qk[:, :, H:], self.kv_cache_dtype).to(stored)
         v = to_cache(v, self.kv_cache_dtype).to(stored)
@@ -1011,7 +1009,10 @@ class AarenMixer(nn.Module):
         win_pos = torch.cat([state.window_pos, pos], 1)
         sink_k, sink_v, sink_pos = state.sink_k, state.sink_v, state.sink_pos
         seen_sink_pos = sink_pos
-        if early:
+        if S > 0:
+            # A token so early (after left padding) that it fills a sink slot or still has the sinks in its window;
+            # for every other token these leave the sinks as they are. Never asked on the host: a step that waits
+            # for the device cannot be captured (CUDA graphs) and stalls the launches behind it.
             is_sink = torch.arange(S, device=p.device) == p.unsqueeze(1)  # [B, S]
             sink_k = torch.where(is_sink.view(B, S, 1, 1), k, sink_k)
             sink_v = torch.where(is_sink.view(B, S, 1, 1), v, sink_v)
@@ -1045,8 +1046,7 @@ class AarenMixer(nn.Module):
         if turned:
             out = turn(out)
         out = out.reshape(B, 1, H, D)  # not view: CUDA's fused kernels return [B, Hkv, G, D] strided as [B, G, Hkv, D]
-        if lowest < 0:  # a padding token sees nothing
-            out = out.masked_fill((p < 0).view(B, 1, 1, 1), 0.0)
+        out = out.masked_fill((p < 0).view(B, 1, 1, 1), 0.0)  # a padding token sees nothing
 
         if M > 0:
             self.offer_to_memory(state, stored)
@@ -1058,11 +1058,11 @@ class AarenMixer(nn.Module):
     def step_angles(self, pos, shared: Optional[dict]):
         """((cos, sin) at the token's position, (cos, sin) of the turn of the sink keys or None), each [B, 1, 1, rot],
         for :meth:`window_step`; the first computed as window_branch computes them, so that the key is stored bit
-        for bit the same. Every layer with the same frequencies and window needs the same ones: computed once per
-        pass (``shared``)."""
+        for bit the same. Every layer with the same frequencies and window needs the same ones: on a CPU computed
+        once per pass (``shared``); elsewhere per layer, as comparing the frequencies would wait for the device."""
         S, W = self.num_sinks, self.window
         key = (S + W - 1) if S > 0 else None
-        known = [] if shared is None else shared.setdefault("step_angles", [])
+        known = [] if shared is None or not self.rope_inv_freq.is_cpu else shared.setdefault("step_angles", [])
         for inv_freq, k, angles in known:
             if k == key and inv_freq.device == self.rope_inv_freq.device and torch.equal(inv_freq, self.rope_inv_freq):
                 return angles
@@ -1081,22 +1081,24 @@ class AarenMixer(nn.Module):
         where keep_memory leaves them in candidate order; neither the rule (it ranks by score, then position) nor the
         attention depends on the order."""
         mem_pos, mem_score = state.memory_pos, state.memory_score  # [B, Hkv, M]
+        B, Hkv, _ = mem_pos.shape
         low = mem_score.amin(-1)  # [B, Hkv], -inf while a slot is empty
         enters = (state.window_score[:, 0] >= low) & (state.window_pos[:, :1] >= self.num_sinks)
-        if not bool(enters.any()):  # once the memory is full, most tokens leave without entering it
-            return
-        # the weakest slot: lowest score, then oldest (an empty slot: score -inf); each row that enters writes there
+        # the weakest slot: lowest score, then oldest (an empty slot: score -inf). Every row writes there, the
+        # leaving entry where it enters and the slot's own content where it does not, so that no step asks the host
+        # which rows enter (that would wait for the device and keep the step out of a CUDA graph).
         weakest = mem_pos.masked_fill(mem_score != low.unsqueeze(-1), torch.iinfo(mem_pos.dtype).max).argmin(-1)
-        b, h = enters.nonzero(as_tuple=True)
-        slot = weakest[b, h]
-        entry = self.as_stored(state.window_k[b, 0, h], state.window_v[b, 0, h], stored)  # [n, D]
-        entry.update(pos=state.window_pos[b, 0], score=state.window_score[b, 0, h])
+        entry = self.as_stored(state.window_k[:, 0], state.window_v[:, 0], stored)  # [B, Hkv, D]
+        entry.update(pos=state.window_pos[:, :1].expand(B, Hkv), score=state.window_score[:, 0])
         for name, new in entry.items():
             slots = getattr(state, "memory_" + name)
             if slots.is_inference() and not torch.is_inference_mode_enabled():
                 slots = slots.clone()  # a state made under inference_mode, continued outside it (generate's no_grad)
                 setattr(state, "memory_" + name, slots)
-            slots.index_put_((b, h, slot), new)
+            rest = (1,) * (slots.dim() - 3)
+            slot = weakest.view(B, Hkv, 1, *rest).expand(B, Hkv, 1, *slots.shape[3:])
+            kept = slots.gather(2, slot)
+            slots.scatter_(2, slot, torch.where(enters.view(B, Hkv, 1, *rest), new.unsqueeze(2).to(slots.dtype), kept))
 
     def memory_candidates(self, k, v, pos, retention, k_prev, v_prev, pos_prev, state):
         """The memory tier's candidates (memory held + window entries held + this call's tokens) and what each query

@@ -156,6 +156,31 @@ def test_a_state_made_under_inference_mode_decodes_outside_it():
     assert torch.equal(logits["inference_mode"], logits["no_grad"])
 
 
+@pytest.mark.parametrize("case", ["paper", "decay_input", "window_sinks_gate_input", "memory_gate_input_decay",
+                                  "memory_shared", "memory_int4_hadamard", "memory_kv_bf16", "gemma_block"])
+def test_a_decode_step_never_waits_for_the_device(case):
+    """A decode step must not read a value back to the host (``int(t)``, ``bool(t)``, ``nonzero``, ``torch.equal``):
+    on a GPU each such read waits for every launch before it, and a step with one cannot be captured in a CUDA graph.
+    On the meta device (shapes only, no values) any such read raises, so the PyTorch decode path a GPU runs must go
+    through there, here for a batch with a left-padded row whose next token still fills a sink. Shapes only: the
+    values are test_decode_step_equals_general_path's (and the GPU test below checks the same on CUDA)."""
+    model = tiny_model(**MIXER_CASES[case])
+    ids = random_ids(2, 12, seed=2)
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0  # row 1: 3 real tokens after 9 pads, so its next tokens are early ones
+    cache = AarenCache(model.config)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        for layer in cache.layers:
+            layer._apply(lambda t: t.to("meta"))
+        cache.real_tokens = cache.real_tokens.to("meta")
+        model.to("meta")
+        out = model(ids[:, :1].to("meta"), attention_mask=F.pad(mask, (0, 1), value=1).to("meta"),
+                    past_key_values=cache, use_cache=True).logits
+    assert out.device.type == "meta" and out.shape == (2, 1, model.config.vocab_size)
+    assert all(t.device.type == "meta" for layer in cache.layers for t in layer.tensors().values())
+
+
 @pytest.mark.parametrize("case", ["paper", "slots3", "decay_input", "gqa_slots_window", "memory_gate_input_decay"])
 def test_prompt_scan_in_c_equals_the_chunked_scan(case, monkeypatch):
     """A prompt without gradients takes the C scan (kernels/aaren/step.c, aaren_scan_mixed); with it off, the chunked
@@ -1089,6 +1114,27 @@ def test_gpu_window_attention_runs_in_the_memory_efficient_kernel(dtype):
     tol = dict(atol=1e-3, rtol=1e-3) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
     for got, want in zip(*results):
         torch.testing.assert_close(got, want, **tol)
+
+
+@pytest.mark.requires_gpu
+@pytest.mark.parametrize("case", ["decay_input", "memory_int4_hadamard", "memory_shared"])
+def test_gpu_decode_step_never_waits_for_the_device(case):
+    """CUDA's own check of test_a_decode_step_never_waits_for_the_device: with sync debug mode "error", a decode
+    step (Triton's one-token scan, the window step, the memory's update) raises at any read back to the host."""
+    model = tiny_model(**MIXER_CASES[case]).cuda()
+    ids = random_ids(2, 20, seed=2).cuda()
+    cache = AarenCache(model.config)
+    with torch.no_grad():
+        model(ids[:, :16], past_key_values=cache, use_cache=True)
+        model(ids[:, 16:17], past_key_values=cache, use_cache=True)  # Triton's autotuning synchronises, once
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for t in range(17, 20):
+                out = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(out).all()
 
 
 @pytest.mark.requires_gpu
