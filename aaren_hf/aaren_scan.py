@@ -8,7 +8,8 @@ Op, shared by every implementation (here and in ``aaren_hf.kernels``)::
     o, final_state = op(s, v, g=None, initial_state=None, output_final_state=False, cu_seqlens=None)
 
     s  [B, T, H]      scores <q_h, k_t> * scale; -inf marks a token that must not count (padding)
-    v  [B, T, H, D]   values
+    v  [B, T, Hv, D]  values; Hv divides H, op head h reads value head h // (H / Hv) (op heads that share their
+                      values, as a kv head's query heads and slots do, are not handed H / Hv copies)
     g  [B, T, H]      log-decay <= 0, applied to the carried state before token t is added (None: no decay)
     state = (o [B, H, D], lse [B, H]), float32: the running softmax-weighted mean of the values and the
             log of its normaliser. lse = -inf is the empty state (o = 0 there).
@@ -59,6 +60,11 @@ def aaren_step(state: State, s: torch.Tensor, v: torch.Tensor, g: Optional[torch
     return o, (o, lse)
 
 
+def values_per_op_head(s: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """v [B, T, Hv, D] as [B, T, H, D], H = s.shape[-1]: the references' reading of shared values (a copy)."""
+    return v if v.shape[2] == s.shape[-1] else v.repeat_interleave(s.shape[-1] // v.shape[2], 2)
+
+
 def recurrent_aaren_torch(
     s: torch.Tensor,
     v: torch.Tensor,
@@ -70,6 +76,7 @@ def recurrent_aaren_torch(
     """Token by token: the decode path (T is usually 1) and a readable reference."""
     if cu_seqlens is not None:
         return _over_sequences(recurrent_aaren_torch, s, v, g, initial_state, output_final_state, cu_seqlens)
+    v = values_per_op_head(s, v)
     B, T, H, D = v.shape
     state = initial_state if initial_state is not None else empty_state(B, H, D, v.device)
     outs = []
@@ -96,6 +103,7 @@ def chunk_aaren_torch(
     """
     if cu_seqlens is not None:
         return _over_sequences(chunk_aaren_torch, s, v, g, initial_state, output_final_state, cu_seqlens, chunk_size)
+    v = values_per_op_head(s, v)
     B, T, H, D = v.shape
     acc = torch.float64 if v.dtype == torch.float64 else torch.float32  # float64 only for reference checks
     s_ = s.to(acc).transpose(1, 2)  # [B, H, T]

@@ -862,12 +862,11 @@ class AarenMixer(nn.Module):
                 o, (o_state, lse) = aaren_step((carried[0].view(*heads, D), carried[1].view(heads)), s.view(heads),
                                                v.view(B, Hkv, 1, D), None if g is None else g.view(heads))
                 o, final = o.to(v.dtype), (o_state.view(B, H * J, D), lse.view(B, H * J))
-            else:  # the Triton kernels, one op head per (query head, slot)
-                vv = v.unsqueeze(3).expand(B, T, Hkv, H // Hkv * J, D).reshape(B, T, H * J, D)
+            else:  # the Triton kernels, one op head per (query head, slot), each reading its kv head's values
                 if T == 1 and state is not None:
-                    o, final = fused_recurrent_aaren(s, vv, g, carried, True)
+                    o, final = fused_recurrent_aaren(s, v, g, carried, True)
                 else:
-                    o, final = chunk_aaren(s, vv, g, carried, state is not None, chunk_size=self.chunk_size)
+                    o, final = chunk_aaren(s, v, g, carried, state is not None, chunk_size=self.chunk_size)
             o = o.view(B, T, H, J, D)
             o = o.squeeze(3) if mix is None else (mix.unsqueeze(-1) * o.float()).sum(3)
         if state is not None:

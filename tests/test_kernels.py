@@ -205,6 +205,30 @@ def test_fused_recurrent_vs_naive(decay):
     compare(res, ref, 1e-4, v, "fused")
 
 
+@pytest.mark.parametrize("impl", ["triton", "torch", "fused", "split", "recurrent"])
+def test_values_shared_by_groups_of_op_heads(impl):
+    """v with fewer heads than s (Hv = 2 for H = 6): op head h reads value head h // 3, as the model's kv heads serve
+    their query heads and slots, without copies. The reference reads them so (the same as repeating the values
+    per op head, dv summed over each group); every implementation gives its outputs and gradients."""
+    if impl in ("triton", "fused", "split") and not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    B, T, H, Hv, D = 2, 70, 6, 2, 32
+    s, v, g, state, grads = make_inputs(B, T, H, D, 20.0, "random", True, True, 0.1)
+    v = v[:, :, :Hv].contiguous()
+    ref = run(naive_aaren, s, v, g, state, grads)
+    copied = run(naive_aaren, s, v.repeat_interleave(H // Hv, 2), g, state, grads)
+    torch.testing.assert_close(ref["o"], copied["o"], rtol=0, atol=0)
+    torch.testing.assert_close(ref["dv"], copied["dv"].view(B, T, Hv, H // Hv, D).sum(3), rtol=1e-12, atol=1e-12)
+    from aaren_hf.kernels.aaren.chunk import split_chunk_aaren
+
+    fn = {"triton": chunk_aaren, "torch": chunk_aaren_torch, "fused": fused_recurrent_aaren,
+          "recurrent": K.recurrent_aaren_torch,
+          "split": lambda s, v, g, st, out, cu, C: split_chunk_aaren(s, v, g, st, out, C, 3)}[impl]
+    res = run(fn if impl != "recurrent" else lambda *a: fn(*a[:6]), s, v, g, state, grads, chunk_size=16)
+    assert res["dv"].shape == v.shape
+    compare(res, ref, 1e-9 if impl in ("torch", "recurrent") else 1e-4, v, impl)
+
+
 @pytest.mark.parametrize("impl", ["triton", "torch"])
 def test_shift_invariance(impl):
     """Without decay or initial state, and with no gradient on the final lse, sum_i ds_i = 0 per sequence."""
@@ -400,12 +424,12 @@ def aot(fn, sig, consts):
 P, B = "*fp32", "*bf16"
 common = dict(cu_seqlens="*i64", chunk_offsets="*i64", T="i32", s=B, v=B, g=B, lse=P, h0_o=P, h0_lse=P, ht_o=P,
               ht_lse=P, cs_o=P, cs_lse=P)
-c = dict(H=8, D=100, BD=128, C=64, HAS_G=True, HAS_H0=True, IS_VARLEN=True, DOT_PREC="tf32")
+c = dict(H=8, GV=2, D=100, BD=128, C=64, HAS_G=True, HAS_H0=True, IS_VARLEN=True, DOT_PREC="tf32")
 aot(chunk._aaren_chunk_fwd_kernel, dict(common, o=B), dict(c, SAVE_CS=True))
 aot(chunk._aaren_chunk_bwd_kernel, dict(common, do=B, dht_o=P, dht_lse=P, ds=B, dv=B, dg=B, dh0_o=P, dh0_lse=P),
     dict(c, HAS_DHT=True))
 aot(fused_recurrent._aaren_fused_recurrent_fwd_kernel, dict(common, o=B),
-    dict(H=8, D=100, BD=128, HAS_G=True, HAS_H0=True, IS_VARLEN=True))
+    dict(H=8, GV=2, D=100, BD=128, HAS_G=True, HAS_H0=True, IS_VARLEN=True))
 """
 
 

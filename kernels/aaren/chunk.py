@@ -70,7 +70,7 @@ def get_kernel(fn, key=("C", "BD"), warps=(4, 8)):
 def _aaren_chunk_fwd_kernel(
     s, v, g, o, lse, h0_o, h0_lse, ht_o, ht_lse, cs_o, cs_lse, cu_seqlens, chunk_offsets,
     T,
-    H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, C: tl.constexpr,
+    H: tl.constexpr, GV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, C: tl.constexpr,
     HAS_G: tl.constexpr, HAS_H0: tl.constexpr, SAVE_CS: tl.constexpr, IS_VARLEN: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
@@ -102,6 +102,7 @@ def _aaren_chunk_fwd_kernel(
         t = i_c * C + rows
         m_t = t < L
         off = (bos + t) * H + i_h
+        off_v = (bos + t) * (H // GV) + i_h // GV  # op heads i_h of one value head read the same values
         b_s = tl.load(s + off, mask=m_t, other=0).to(tl.float32)
         valid = m_t & (b_s > float("-inf"))  # s = -inf: the token does not count
         if HAS_G:
@@ -121,7 +122,7 @@ def _aaren_chunk_fwd_kernel(
         a0 = tl.exp(c_lse - mx)
         w = tl.reduce(a, 1, _ADD) + a0
         m_td = m_t[:, None] & mask_d[None, :]
-        b_v = tl.load(v + off[:, None] * D + cols[None, :], mask=m_td, other=0).to(tl.float32)
+        b_v = tl.load(v + off_v[:, None] * D + cols[None, :], mask=m_td, other=0).to(tl.float32)
         acc = tl.dot(a, b_v, input_precision=DOT_PREC) + a0[:, None] * st_o[None, :]
         nonempty = w > 0
         w_safe = tl.where(nonempty, w, 1.0)
@@ -141,7 +142,7 @@ def _aaren_chunk_bwd_kernel(
     s, v, g, do, lse, cs_o, cs_lse, h0_o, ht_o, ht_lse, dht_o, dht_lse,
     ds, dv, dg, dh0_o, dh0_lse, cu_seqlens, chunk_offsets,
     T,
-    H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, C: tl.constexpr,
+    H: tl.constexpr, GV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, C: tl.constexpr,
     HAS_G: tl.constexpr, HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr, IS_VARLEN: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
@@ -181,6 +182,7 @@ def _aaren_chunk_bwd_kernel(
         t = i_c * C + rows
         m_t = t < L
         off = (bos + t) * H + i_h
+        off_v = (bos + t) * (H // GV) + i_h // GV  # op heads i_h of one value head read the same values
         b_s = tl.load(s + off, mask=m_t, other=0).to(tl.float32)
         valid = m_t & (b_s > float("-inf"))
         if HAS_G:
@@ -207,7 +209,7 @@ def _aaren_chunk_bwd_kernel(
         W0 = tl.exp(tl.where(e_ok, l_in + b_e - l_e_s, float("-inf")))
 
         m_td = m_t[:, None] & mask_d[None, :]
-        b_v = tl.load(v + off[:, None] * D + cols[None, :], mask=m_td, other=0).to(tl.float32)
+        b_v = tl.load(v + off_v[:, None] * D + cols[None, :], mask=m_td, other=0).to(tl.float32)
         b_do = tl.load(do + off[:, None] * D + cols[None, :], mask=m_td, other=0).to(tl.float32)
         DV = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PREC)  # <dO_t, v_i>
         delta = tl.reduce(P * DV, 1, _ADD) + P0 * tl.reduce(b_do * o_in[None, :], 1, _ADD)  # <dO_t, o_t>
@@ -234,10 +236,13 @@ def _aaren_chunk_bwd_kernel(
 
 
 def check_inputs(s, v, g, initial_state, cu_seqlens):
-    B, T, H, D = v.shape
-    if s.shape != (B, T, H) or (g is not None and g.shape != (B, T, H)):
+    """(B, T, H, D, number of sequences, op heads per value head) of valid inputs; a clear error otherwise."""
+    B, T, Hv, D = v.shape
+    H = s.shape[-1]
+    if s.shape != (B, T, H) or (g is not None and g.shape != (B, T, H)) or H % max(Hv, 1):
         g_shape = None if g is None else tuple(g.shape)
-        raise ValueError(f"expected s and g of shape {(B, T, H)}, got {tuple(s.shape)} and {g_shape}")
+        raise ValueError(f"expected s and g of shape {(B, T)} + (H,), H a multiple of v's {Hv} heads, got "
+                         f"{tuple(s.shape)} and {g_shape}")
     if cu_seqlens is not None and B != 1:
         raise ValueError(f"cu_seqlens needs a packed batch of size 1, got batch size {B}")
     n_seq = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -245,7 +250,7 @@ def check_inputs(s, v, g, initial_state, cu_seqlens):
         initial_state[0].shape != (n_seq, H, D) or initial_state[1].shape != (n_seq, H)
     ):
         raise ValueError(f"initial_state must be ([{n_seq}, {H}, {D}], [{n_seq}, {H}])")
-    return B, T, H, D, n_seq
+    return B, T, H, D, n_seq, H // max(Hv, 1)
 
 
 def _layout(T, C, cu_seqlens, n_seq):
@@ -275,13 +280,13 @@ def _block_d(D):
 
 def chunk_fwd(s, v, g, h0, cu_seqlens, chunk_size, save_cs):
     """Returns o, lse per token, final state (o, lse) and the chunk-start states (or None)."""
-    B, T, H, D, n_seq = check_inputs(s, v, g, h0, cu_seqlens)
+    B, T, H, D, n_seq, GV = check_inputs(s, v, g, h0, cu_seqlens)
     C = chunk_size
     if C < 16 or C & (C - 1):
         raise ValueError(f"chunk_size must be a power of two >= 16, got {C}")
     offsets, n_chunks = _layout(T, C, cu_seqlens, n_seq)
     dev = v.device
-    o = torch.empty_like(v)
+    o = v.new_empty(B, T, H, D)
     lse = torch.empty(B, T, H, dtype=torch.float32, device=dev)
     ht_o = torch.empty(n_seq, H, D, dtype=torch.float32, device=dev)
     ht_lse = torch.empty(n_seq, H, dtype=torch.float32, device=dev)
@@ -292,7 +297,7 @@ def chunk_fwd(s, v, g, h0, cu_seqlens, chunk_size, save_cs):
         h0[0] if h0 is not None else ht_o, h0[1] if h0 is not None else ht_lse,
         ht_o, ht_lse, cs_o, cs_lse,
         cu_seqlens if cu_seqlens is not None else lse, offsets if offsets is not None else lse,
-        T, H=H, D=D, BD=_block_d(D), C=C,
+        T, H=H, GV=GV, D=D, BD=_block_d(D), C=C,
         HAS_G=g is not None, HAS_H0=h0 is not None, SAVE_CS=save_cs, IS_VARLEN=cu_seqlens is not None,
         DOT_PREC=_dot_precision(v),
     )
@@ -300,10 +305,10 @@ def chunk_fwd(s, v, g, h0, cu_seqlens, chunk_size, save_cs):
 
 
 def chunk_bwd(s, v, g, h0, lse, cs, ht, do, dht, cu_seqlens, chunk_size):
-    B, T, H, D, n_seq = check_inputs(s, v, g, h0, cu_seqlens)
+    B, T, H, D, n_seq, GV = check_inputs(s, v, g, h0, cu_seqlens)
     offsets, _ = _layout(T, chunk_size, cu_seqlens, n_seq)
     if do is None:
-        do = torch.zeros_like(v)
+        do = v.new_zeros(B, T, H, D)
     has_dht = dht is not None and (dht[0] is not None or dht[1] is not None)
     if has_dht:
         dht = (
@@ -312,7 +317,8 @@ def chunk_bwd(s, v, g, h0, lse, cs, ht, do, dht, cu_seqlens, chunk_size):
         )
         dht = (dht[0].contiguous(), dht[1].contiguous())
     ds = torch.empty_like(s)
-    dv = torch.empty_like(v)
+    # per op head; with grouped values summed over each group below, in float32
+    dv = torch.empty_like(v) if GV == 1 else torch.empty(B, T, H, D, dtype=torch.float32, device=v.device)
     dg = torch.empty_like(g) if g is not None else None
     dh0 = (torch.empty_like(h0[0]), torch.empty_like(h0[1])) if h0 is not None else None
     # The backward holds more tiles (V, dO, dV; P, dO V^T): more warps keep it in registers (ptxas, sm90, D=128).
@@ -323,10 +329,12 @@ def chunk_bwd(s, v, g, h0, lse, cs, ht, do, dht, cu_seqlens, chunk_size):
         ds, dv, dg if dg is not None else ds,
         dh0[0] if dh0 is not None else ds, dh0[1] if dh0 is not None else ds,
         cu_seqlens if cu_seqlens is not None else lse, offsets if offsets is not None else lse,
-        T, H=H, D=D, BD=_block_d(D), C=chunk_size,
+        T, H=H, GV=GV, D=D, BD=_block_d(D), C=chunk_size,
         HAS_G=g is not None, HAS_H0=h0 is not None, HAS_DHT=has_dht, IS_VARLEN=cu_seqlens is not None,
         DOT_PREC=_dot_precision(v),
     )
+    if GV > 1:
+        dv = dv.view(B, T, H // GV, GV, D).sum(3).to(v.dtype)
     return ds, dv, dg, dh0
 
 
@@ -397,7 +405,8 @@ def split_chunk_aaren(s, v, g, initial_state, output_final_state, chunk_size, se
     runs both passes' Triton backwards."""
     from aaren_hf.aaren_scan import empty_state, scan_states
 
-    B, T, H, D = v.shape
+    B, T, H = s.shape
+    D = v.shape[-1]
     length = -(-T // segments // chunk_size) * chunk_size
     starts = torch.arange(0, T, length, device=v.device)
     P = starts.numel()

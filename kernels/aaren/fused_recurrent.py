@@ -19,7 +19,7 @@ from .chunk import _block_d, chunk_bwd, chunk_fwd, check_inputs, get_kernel, pre
 def _aaren_fused_recurrent_fwd_kernel(
     s, v, g, o, h0_o, h0_lse, ht_o, ht_lse, cu_seqlens,
     T,
-    H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+    H: tl.constexpr, GV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
     HAS_G: tl.constexpr, HAS_H0: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
     i_n = tl.program_id(0)
@@ -43,7 +43,8 @@ def _aaren_fused_recurrent_fwd_kernel(
     for t in range(0, L):
         off = (bos + t) * H + i_h
         s_t = tl.load(s + off).to(tl.float32)
-        v_t = tl.load(v + off * D + cols, mask=mask_d, other=0).to(tl.float32)
+        off_v = (bos + t) * (H // GV) + i_h // GV  # op heads i_h of one value head read the same values
+        v_t = tl.load(v + off_v * D + cols, mask=mask_d, other=0).to(tl.float32)
         if HAS_G:
             st_lse = st_lse + tl.load(g + off).to(tl.float32)
         mx = tl.maximum(st_lse, s_t)
@@ -60,15 +61,15 @@ def _aaren_fused_recurrent_fwd_kernel(
 
 
 def fused_recurrent_fwd(s, v, g, h0, cu_seqlens):
-    B, T, H, D, n_seq = check_inputs(s, v, g, h0, cu_seqlens)
-    o = torch.empty_like(v)
+    B, T, H, D, n_seq, GV = check_inputs(s, v, g, h0, cu_seqlens)
+    o = v.new_empty(B, T, H, D)
     ht_o = torch.empty(n_seq, H, D, dtype=torch.float32, device=v.device)
     ht_lse = torch.empty(n_seq, H, dtype=torch.float32, device=v.device)
     get_kernel(_aaren_fused_recurrent_fwd_kernel, key=("BD",))[(n_seq, H)](
         s, v, g if g is not None else s, o,
         h0[0] if h0 is not None else ht_o, h0[1] if h0 is not None else ht_lse,
         ht_o, ht_lse, cu_seqlens if cu_seqlens is not None else ht_lse,
-        T, H=H, D=D, BD=_block_d(D),
+        T, H=H, GV=GV, D=D, BD=_block_d(D),
         HAS_G=g is not None, HAS_H0=h0 is not None, IS_VARLEN=cu_seqlens is not None,
     )
     return o, (ht_o, ht_lse)

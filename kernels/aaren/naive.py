@@ -29,6 +29,8 @@ def naive_aaren(s, v, g=None, initial_state=None, output_final_state=False, cu_s
         ht = (torch.cat([f[0] for f in finals]), torch.cat([f[1] for f in finals]))
         return torch.cat(outs, dim=1), (ht if output_final_state else None)
 
+    if v.shape[2] != s.shape[-1]:  # values shared by groups of op heads: op head h reads v head h // group
+        v = torch.stack([v[:, :, h * v.shape[2] // s.shape[-1]] for h in range(s.shape[-1])], 2)
     B, T, H, D = v.shape
     dt = torch.float64 if v.dtype == torch.float64 else torch.float32
     if initial_state is None:  # the empty state: m = -inf, w = 0, u = 0
