@@ -54,9 +54,18 @@ SWEEP_PAIRS = 1 << 24
 SWEEP_PAIRS_GPU = 1 << 28
 
 
+def launch_bound(device: torch.device) -> bool:
+    """Whether work on ``device`` costs per operator rather than per element, and reading a value back on the host
+    waits for every operator before it: a GPU, not a CPU. The one place the model asks; it decides the prefill's
+    pieces (:func:`prefill_piece`), the ranking sweep's passes (:func:`sweep_plan`), whether window attention runs as
+    one call or as runs of blocks, whether the decode step shares rotary angles between layers, and the scan's
+    path (the Triton kernels per op head, or the CPU's mixed scan and C)."""
+    return device.type != "cpu"
+
+
 def prefill_piece(batch: int, device: torch.device) -> int:
     """Tokens per sequence in each piece of a prefill: activations stay bounded at any prompt length."""
-    return PREFILL_CHUNK if device.type == "cpu" else max(PREFILL_CHUNK, PREFILL_TOKENS_GPU // batch)
+    return max(PREFILL_CHUNK, PREFILL_TOKENS_GPU // batch) if launch_bound(device) else PREFILL_CHUNK
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -371,7 +380,7 @@ def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sin
     # width (at W = 64, M = 448: 0.69x the keys at 500 tokens, 0.82x at 1,000, 0.91x at 2,000); on a GPU one call
     # serves all (there launches cost more than keys).
     groups = [(0, nblk, None)]
-    if memory is not None and q.device.type == "cpu" and nblk > 1:
+    if memory is not None and not launch_bound(q.device) and nblk > 1:
         groups = _block_groups(mem_counts.tolist(), W - 1 + Q + S)
     outs = []
     for n0, n1, width in groups:
@@ -598,7 +607,7 @@ def sweep_plan(B, Hkv, M, device, block=None) -> tuple:
     fewest comparisons in all (a block ranks the M of the top set and its own against each other), and as many of
     them in one pass as SWEEP_PAIRS comparisons allow, or SWEEP_PAIRS_GPU off a CPU (where a pass costs launches:
     one pass for a 32K-token piece of one sequence with 3 kv heads and M = 448)."""
-    return block or max(64, M), SWEEP_PAIRS if device.type == "cpu" else SWEEP_PAIRS_GPU
+    return block or max(64, M), SWEEP_PAIRS_GPU if launch_bound(device) else SWEEP_PAIRS
 
 
 def _evict_sweep(cand_pos, cand_score, real, upto, M, block, pairs):
@@ -836,7 +845,8 @@ class AarenMixer(nn.Module):
         carried = None
         if state is not None and state.aaren_o is not None:
             carried = (state.aaren_o, state.aaren_lse)
-        decoding_on_cpu = not v.is_cuda and T == 1 and carried is not None and not torch.is_grad_enabled()
+        per_op_head = launch_bound(v.device)  # the Triton kernels (or, without them, the PyTorch op) per op head
+        decoding_on_cpu = not per_op_head and T == 1 and carried is not None and not torch.is_grad_enabled()
         s = self.slot_scores(k).masked_fill(~mask.unsqueeze(-1), float("-inf"))
         g = None
         if self.decay != "none":
@@ -845,7 +855,7 @@ class AarenMixer(nn.Module):
         if J > 1:
             mix = torch.matmul(q.float().transpose(1, 2), self.queries.float().transpose(1, 2)).transpose(1, 2)
             mix = torch.softmax(mix * self.scale, -1)
-        if not v.is_cuda and not decoding_on_cpu:
+        if not per_op_head and not decoding_on_cpu:
             # slots mixed, each kv head's values read once for its query heads: without gradients token after token
             # in C (a few small loops per token), else the chunked PyTorch scan (its reference)
             if mix is None:
@@ -855,7 +865,7 @@ class AarenMixer(nn.Module):
                 scanned = chunk_aaren_mixed(s, v, mix, g, carried, state is not None, chunk_size=self.chunk_size)
             o, final = scanned
         else:
-            if not v.is_cuda:
+            if not per_op_head:
                 # decoding on the CPU, where a step costs its number of ops: the scan's step applied to the state,
                 # each kv head broadcast over its query heads and slots rather than copied to them
                 heads = (B, Hkv, -1)
@@ -1061,7 +1071,7 @@ class AarenMixer(nn.Module):
         once per pass (``shared``); elsewhere per layer, as comparing the frequencies would wait for the device."""
         S, W = self.num_sinks, self.window
         key = (S + W - 1) if S > 0 else None
-        known = [] if shared is None or not self.rope_inv_freq.is_cpu else shared.setdefault("step_angles", [])
+        known = [] if shared is None or launch_bound(pos.device) else shared.setdefault("step_angles", [])
         for inv_freq, k, angles in known:
             if k == key and inv_freq.device == self.rope_inv_freq.device and torch.equal(inv_freq, self.rope_inv_freq):
                 return angles

@@ -2,10 +2,12 @@
 # Copyright 2026 The aaren-hf authors. Apache-2.0.
 """Operators per layer of one prefill, counted on the CPU: what a GPU, where the window and memory branch is
 launch-bound, pays in kernel launches. Counts every PyTorch operator that runs except views (each runs a kernel on a
-GPU), through the PyTorch path a GPU runs (``AAREN_BACKEND=torch``: no C kernels; on a GPU the scan is one Triton
-call where this counts the chunked PyTorch scan's ~150 operators per piece and layer). Deterministic: no timing.
+GPU), through the PyTorch path (``AAREN_BACKEND=torch``: no C kernels), once as a CPU runs it and once as a GPU
+does (``modeling_aaren.launch_bound`` answering yes: one prefill piece, one window-attention call, the GPU's sweep
+passes; the scan per op head, which a GPU runs as one Triton call where this counts the chunked PyTorch scan's
+operators). Deterministic: no timing.
 
-    python -P benchmarks/count_ops.py                       # 32K tokens: CPU pieces, one GPU piece, GPU sweep passes
+    python -P benchmarks/count_ops.py                       # 32K tokens, as a CPU and as a GPU runs them
     python -P benchmarks/count_ops.py --tokens 4096 --layers 1
 """
 
@@ -50,21 +52,13 @@ def main(argv=None):
     teacher = LlamaForCausalLM(LlamaConfig(**shape, max_position_embeddings=1 << 20, attn_implementation="sdpa"))
     student = build_student(teacher, bench_model.mixer_options("aaren", "smollm2-135m")).eval()
     ids = torch.randint(3, shape["vocab_size"], (1, args.tokens))
-    gpu = torch.device("cuda")  # only asked for its sizes: nothing runs there
-    cases = [("CPU pieces, CPU sweep passes", modeling.PREFILL_CHUNK, False),
-             ("GPU pieces, CPU sweep passes", modeling.prefill_piece(1, gpu), False),
-             ("GPU pieces, GPU sweep passes", modeling.prefill_piece(1, gpu), True)]
-    saved = modeling.PREFILL_CHUNK, modeling.sweep_plan, modeling._block_groups, os.environ.get("AAREN_BACKEND")
-    chunk, plan, runs, backend = saved
+    launch_bound, backend = modeling.launch_bound, os.environ.get("AAREN_BACKEND")
     os.environ["AAREN_BACKEND"] = "torch"  # the C kernels off (each call asks)
     counts, first = [], None
     try:
-        for label, piece, gpu_passes in cases:
-            modeling.PREFILL_CHUNK = piece
-            modeling.sweep_plan = (lambda B, Hkv, M, device, block=None: plan(B, Hkv, M, gpu, block)) if gpu_passes \
-                else plan
-            if piece != chunk:  # a GPU's window attention: one call for all query blocks (no runs by width)
-                modeling._block_groups = lambda counts, fixed: [(0, len(counts), max(1, *counts))]
+        for label, as_gpu in (("as a CPU runs it", False), ("as a GPU runs it", True)):
+            modeling.launch_bound = lambda device: as_gpu
+            piece = modeling.prefill_piece(1, ids.device)
             counter = CountOps()
             with torch.no_grad(), counter:
                 logits = student(ids, use_cache=True, logits_to_keep=1).logits
@@ -74,7 +68,7 @@ def main(argv=None):
             print(f"{label} ({piece}-token pieces): {per_layer:,.0f} operators per layer for {args.tokens:,} tokens; "
                   f"logits differ from the first by {diff:.1e}")
     finally:
-        modeling.PREFILL_CHUNK, modeling.sweep_plan, modeling._block_groups = chunk, plan, runs
+        modeling.launch_bound = launch_bound
         if backend is None:
             os.environ.pop("AAREN_BACKEND")
         else:

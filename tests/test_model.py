@@ -181,6 +181,31 @@ def test_a_decode_step_never_waits_for_the_device(case):
     assert all(t.device.type == "meta" for layer in cache.layers for t in layer.tensors().values())
 
 
+@pytest.mark.parametrize("case", ["slots3", "gqa_slots_window", "memory_gate_input_decay", "memory_int4_gqa"])
+def test_the_gpu_path_run_on_a_cpu_equals_the_cpu_path(case, monkeypatch):
+    """What a GPU runs, run here: ``launch_bound`` says yes on the CPU, so the scan goes through the Triton kernels
+    (Triton's interpreter) per op head, reading each kv head's values without copies; the window attention is one
+    call; the ranking sweep, the prefill's pieces and the decode step's angles are the GPU's. Prefill logits, every
+    parameter's gradient and token-by-token decoding equal the CPU path's (the interpreter computes in float32)."""
+    ids = random_ids(2, 37, seed=3)
+    results = {}
+    for path in ("cpu", "gpu"):
+        if path == "gpu":
+            monkeypatch.setenv("TRITON_INTERPRET", "1")
+            monkeypatch.setattr(modeling, "launch_bound", lambda device: True)
+        model = tiny_model(seed=0, chunk_size=16, **MIXER_CASES[case])
+        logits = model(ids, use_cache=False).logits
+        logits.square().sum().backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        results[path] = logits.detach(), grads, incremental_logits(model, ids, pieces=(20,))
+    (cpu, cpu_grads, cpu_steps), (gpu, gpu_grads, gpu_steps) = results["cpu"], results["gpu"]
+    torch.testing.assert_close(gpu, cpu, atol=ATOL, rtol=0)
+    torch.testing.assert_close(gpu_steps, cpu_steps, atol=ATOL, rtol=0)
+    assert gpu_grads.keys() == cpu_grads.keys()
+    for name, grad in cpu_grads.items():
+        assert (gpu_grads[name] - grad).norm() <= 1e-4 * grad.norm() + 1e-6, name
+
+
 @pytest.mark.parametrize("case", ["paper", "slots3", "decay_input", "gqa_slots_window", "memory_gate_input_decay"])
 def test_prompt_scan_in_c_equals_the_chunked_scan(case, monkeypatch):
     """A prompt without gradients takes the C scan (kernels/aaren/step.c, aaren_scan_mixed); with it off, the chunked
