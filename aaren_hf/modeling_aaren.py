@@ -334,13 +334,14 @@ def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sin
     qp = F.pad(q, (0, 0, 0, 0, 0, Tp - T))
     # queries [B, n, Hkv, G, Q, Dx]; keys and values of the window, then of the memory, then the sinks
     # [B, n, Hkv, keys, Dx]: one attention call per (block, kv head) serves its G query heads
-    qw = q.new_zeros(B, nblk, Hkv, G, Q, Dx, dtype=torch.float32)
+    attend = _attention_dtype(q)
+    qw = q.new_zeros(B, nblk, Hkv, G, Q, Dx, dtype=attend)
     qw[..., :D] = rotate(qp, qpos.clamp(min=0), inv_freq).view(B, nblk, Q, Hkv, G, D).permute(0, 1, 3, 4, 2, 5)
     # every key and value a block reads is a row of one small table (the window's [B, T', Hkv] rows, the memory's
     # [B, Hkv, C], the sinks' [B, Hkv, S]) that one index_select copies into place: the largest tensors of a prefill
     # are written once, with no per-part copies to concatenate
     arange = partial(torch.arange, device=q.device)
-    table_k, table_v = [k_all.float().reshape(-1, Dx)], [v_all.float().reshape(-1, Dx)]
+    table_k, table_v = [k_all.to(attend).reshape(-1, Dx)], [v_all.to(attend).reshape(-1, Dx)]
     rows = [(arange(B).view(B, 1, 1, 1) * k_all.shape[1] + arange(nblk).view(1, nblk, 1, 1) * Q
              + arange(L).view(1, 1, 1, L)) * Hkv + arange(Hkv).view(1, 1, Hkv, 1)]
     qpos = qpos.view(B, nblk, Q)
@@ -354,8 +355,8 @@ def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sin
         mem_keys, mem_values, evict, last = memory
         mem_rows, mem_seen, mem_counts = _memory_blocks(evict, last, T, nblk, Q)
         rows.append(mem_rows + table_k[0].shape[0])
-        table_k.append(F.pad(mem_keys.float(), (0, Dx - D)).reshape(-1, Dx))
-        table_v.append(F.pad(mem_values.float(), (0, Dx - D)).reshape(-1, Dx))
+        table_k.append(F.pad(mem_keys.to(attend), (0, Dx - D)).reshape(-1, Dx))
+        table_v.append(F.pad(mem_values.to(attend), (0, Dx - D)).reshape(-1, Dx))
         seen.append(mem_seen | padding)  # [B, n, Hkv, Q, K]
     if S > 0:
         # sinks are seen from position c = min(p, S + W - 1), by queries rotated there, so their scores are not
@@ -366,15 +367,15 @@ def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sin
                         -arange(S + W).expand(B, -1), inv_freq)
         c = qpos.reshape(B, Tp).clamp(min=0, max=S + W - 1) + arange(0, B * (S + W), S + W).view(B, 1)
         sink_keys = turned.reshape(B * (S + W), S, Hkv, D).index_select(0, c.flatten()).view(B, Tp, S, Hkv, D)
-        scores = torch.matmul(qp.float().view(B, Tp, Hkv, G, D), sink_keys.permute(0, 1, 3, 4, 2))
+        scores = torch.matmul(qp.to(attend).view(B, Tp, Hkv, G, D), sink_keys.to(attend).permute(0, 1, 3, 4, 2))
         qw[..., D:D + S] = scores.view(B, nblk, Q, Hkv, G, S).permute(0, 1, 3, 4, 2, 5)
         rows.append(arange(B * Hkv * S).view(B, 1, Hkv, S) + sum(part.shape[0] for part in table_k))
-        table_k.append(F.pad(torch.eye(S, device=q.device), (D, Dx - D - S)).repeat(B * Hkv, 1))
-        table_v.append(F.pad(sink_v.float().transpose(1, 2), (0, Dx - D)).reshape(-1, Dx))
+        table_k.append(F.pad(torch.eye(S, device=q.device, dtype=attend), (D, Dx - D - S)).repeat(B * Hkv, 1))
+        table_v.append(F.pad(sink_v.to(attend).transpose(1, 2), (0, Dx - D)).reshape(-1, Dx))
         sp = sink_pos.view(B, 1, 1, S)
         seen.append(((sp >= 0) & (sp <= qpos.unsqueeze(-1) - W) & query_valid.unsqueeze(-1)).unsqueeze(2))
     table_k, table_v = torch.cat(table_k), torch.cat(table_v)
-    zero, minus_inf = torch.zeros((), device=q.device), torch.full((), float("-inf"), device=q.device)
+    zero, minus_inf = (torch.full((), x, device=q.device, dtype=attend) for x in (0.0, float("-inf")))
     # Blocks pad their memory part to the most candidates any block sees; while the memory fills (its first M + W
     # tokens) early blocks see far fewer. On a CPU, where attention costs its keys, runs of blocks get their own
     # width (at W = 64, M = 448: 0.69x the keys at 500 tokens, 0.82x at 1,000, 0.91x at 2,000); on a GPU one call
@@ -394,7 +395,7 @@ def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sin
         # the mask as an additive bias, one for the G query heads of a kv head (-inf, not the lowest float: exp of
         # that underflows to denormals, several times slower on CPUs), written part by part: no mask of the whole
         # [.., Q, Lk] is ever built; fused attention (PyTorch's flash kernel on CPUs)
-        bias = torch.empty(B, nb, Hkv, Q, Lk, device=q.device)
+        bias = torch.empty(B, nb, Hkv, Q, Lk, device=q.device, dtype=attend)
         start = 0
         for _, part in run:
             torch.where(part.expand(B, nb, Hkv, Q, -1), zero, minus_inf, out=bias[..., start:start + part.shape[-1]])
@@ -405,6 +406,14 @@ def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sin
     out = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
     out = out[..., :D].permute(0, 1, 4, 2, 3, 5).reshape(B, Tp, H, D)[:, :T]
     return out.masked_fill((pos < 0).view(B, T, 1, 1), 0.0).to(q.dtype)  # not in place: out may view SDPA's own
+
+
+def _attention_dtype(q: torch.Tensor) -> torch.dtype:
+    """What window attention computes in. CUDA's fused kernels take 16-bit queries, keys, values and mask and
+    accumulate in float32: in a 16-bit model that halves the largest tensors of a prefill (the keys and values each
+    block gathers, about ten times the window's; kept for backward when training) and runs on tensor cores. A CPU
+    keeps float32."""
+    return q.dtype if q.is_cuda and q.element_size() == 2 else torch.float32
 
 
 def _attention(q, k, v, bias, scale):
@@ -816,7 +825,8 @@ class AarenMixer(nn.Module):
                 o = o_win
             else:
                 gate = self.window_gate if hasattr(self, "window_gate") else self.gate_proj(x)
-                o = torch.lerp(o.float(), o_win.float(), torch.sigmoid(gate.float()).unsqueeze(-1))
+                # in the branches' dtype (float32 inside), as with the slots' mix above
+                o = torch.lerp(o, o_win.to(o.dtype), torch.sigmoid(gate.float()).unsqueeze(-1).to(o.dtype))
         return self.o_proj(o.to(x.dtype).reshape(B, T, H * D))
 
     def keys(self, x):
@@ -878,7 +888,9 @@ class AarenMixer(nn.Module):
                 else:
                     o, final = chunk_aaren(s, v, g, carried, state is not None, chunk_size=self.chunk_size)
             o = o.view(B, T, H, J, D)
-            o = o.squeeze(3) if mix is None else (mix.unsqueeze(-1) * o.float()).sum(3)
+            # one product per query head over its J slots, in the outputs' dtype (float32 sums inside): a float32
+            # copy of the J outputs would be the largest tensor the branch keeps for backward
+            o = o.squeeze(3) if mix is None else torch.matmul(mix.to(o.dtype).unsqueeze(-2), o).squeeze(-2)
         if state is not None:
             state.aaren_o, state.aaren_lse = final
         return o, s

@@ -1114,6 +1114,34 @@ def test_peft_lora_training_step_with_gradient_checkpointing_and_merge(monkeypat
 # ---------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_window_attention_in_16_bits_stays_within_their_rounding(dtype, monkeypatch):
+    """On CUDA a 16-bit model's window, memory and sink attention gathers and attends in 16 bits (``_attention_dtype``;
+    run here on the CPU's kernel): outputs and gradients of q, k, v stay within 16-bit rounding of the float32 path
+    on the same inputs, sinks (whose scores ride in extra query dimensions) and memory included, and SDPA is handed
+    16-bit tensors only."""
+    mixer = tiny_model(**MIXER_CASES["memory_gate_input_decay"]).model.layers[0].mixer.to(dtype)
+    gen = torch.Generator().manual_seed(7)
+    B, T, H, Hkv, D = 2, 40, mixer.num_heads, mixer.num_kv_heads, mixer.head_dim
+    q, k, v = (torch.randn(B, T, h, D, generator=gen).to(dtype) * 2 for h in (H, Hkv, Hkv))
+    pos = torch.arange(T).expand(B, T).clone()
+    pos[1, :5] = -1  # left padding
+    retention = torch.randint(0, 4, (B, T, Hkv), generator=gen).float()
+    attention, handed = modeling._attention, []
+    monkeypatch.setattr(modeling, "_attention", lambda *a: handed.append({t.dtype for t in a[:4]}) or attention(*a))
+    results = {}
+    for path, attend in (("float32", lambda q: torch.float32), ("16-bit", lambda q: q.dtype)):
+        monkeypatch.setattr(modeling, "_attention_dtype", attend)
+        inputs = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out = mixer.window_branch(*inputs, pos, None, retention)
+        out.float().square().sum().backward()
+        results[path] = [out.detach().float()] + [t.grad.float() for t in inputs]
+    assert handed[0] == {torch.float32} and handed[-1] == {dtype}
+    for got, want in zip(results["16-bit"], results["float32"]):
+        assert ((got - want).norm() / want.norm()).item() < 2e-2
+        assert torch.isfinite(got).all()
+
+
 @pytest.mark.requires_gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_window_attention_runs_in_the_memory_efficient_kernel(dtype):
