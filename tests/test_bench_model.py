@@ -127,3 +127,23 @@ def test_count_ops_as_a_gpu_runs_it_runs_fewer_operators():
     assert cpu > 2 * gpu > 0
     assert diff_gpu < 1e-4
     assert (modeling_aaren.launch_bound, os.environ.get("AAREN_BACKEND")) == before
+
+
+def test_saved_memory_counts_what_16_bit_window_attention_saves():
+    """benchmarks/saved_memory.py: the bytes a training forward keeps for backward, per layer, as a GPU runs the
+    student. Window attention in the model's 16-bit dtype keeps less than in float32 (the gathered keys and values,
+    the mask), the teacher's count is the same in both runs, and ``launch_bound``, ``_attention_dtype`` and the
+    interpreter switch are left as they were."""
+    import os
+
+    pytest.importorskip("triton")
+    load_bench()
+    saved_memory = importlib.import_module("saved_memory")
+    from aaren_hf import modeling_aaren
+
+    before = modeling_aaren.launch_bound, modeling_aaren._attention_dtype, os.environ.get("TRITON_INTERPRET")
+    runs = {dtype: saved_memory.main(["--tokens", "160", "--attention-dtype", dtype])[0]
+            for dtype in ("model", "float32")}
+    assert runs["model"]["teacher"] == runs["float32"]["teacher"] > 0
+    assert runs["model"]["teacher"] < runs["model"]["student"] < runs["float32"]["student"]
+    assert (modeling_aaren.launch_bound, modeling_aaren._attention_dtype, os.environ.get("TRITON_INTERPRET")) == before

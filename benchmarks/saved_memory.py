@@ -1,0 +1,99 @@
+#!/usr/bin/env python
+# Copyright 2026 The aaren-hf authors. Apache-2.0.
+"""Bytes a training forward keeps for backward, per layer, teacher against student, counted on the CPU as a GPU runs
+the student (``modeling_aaren.launch_bound`` answering yes, the scan through the Triton kernels in Triton's
+interpreter, window attention in the model's 16-bit dtype as on CUDA): the activation memory of a train step, which
+on a GPU is most of its peak. Deterministic: every distinct storage a ``saved_tensors_hooks`` pack sees, parameters
+excluded, summed per source line of the model code that saved it. The embedding and the logits are left out (the
+same in both models). What it cannot see: temporaries freed within the forward, the backward's own peak.
+
+    python -P benchmarks/saved_memory.py                          # SmolLM2-135M's shape, 1 layer, 1 x 2,048, bf16
+    python -P benchmarks/saved_memory.py --tokens 8192 --attention-dtype float32
+"""
+
+import argparse
+import collections
+import os
+import sys
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_model  # noqa: E402  (imports aaren_hf before transformers' model code)
+
+import aaren_hf.modeling_aaren as modeling  # noqa: E402
+
+OUTSIDE_LAYERS = ("lm_head", "embed_tokens")  # in both models alike
+
+
+def saved_by_line(model, ids):
+    """{source line: bytes} of the storages saved for backward by one forward of ``model`` (parameters excluded)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen, by_line = set(), collections.Counter()
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params and storage.data_ptr() not in seen and storage.nbytes():
+            seen.add(storage.data_ptr())
+            frames = [f for f in traceback.extract_stack()[:-1] if "modeling_" in f.filename or "aaren" in f.filename]
+            frame = frames[-1] if frames else None
+            where = "?" if frame is None else f"{os.path.basename(frame.filename)}:{frame.lineno} {frame.line}"
+            by_line[where] += storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(ids, use_cache=False)
+    return by_line
+
+
+def per_layer(by_line, layers):
+    return sum(n for where, n in by_line.items() if not any(name in where for name in OUTSIDE_LAYERS)) / layers
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--layers", type=int, default=1, help="layers of the SmolLM2-135M shape (random weights)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--attention-dtype", default="model", choices=["model", "float32"],
+                   help="window attention as CUDA runs it (the model's dtype) or in float32 (as before 582595d)")
+    p.add_argument("--top", type=int, default=12, help="student source lines to list")
+    args = p.parse_args(argv)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from aaren_hf.conversion.convert import build_student
+
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(0)
+    shape = dict(bench_model.SHAPES["smollm2-135m"], num_hidden_layers=args.layers)
+    teacher = LlamaForCausalLM(LlamaConfig(**shape, max_position_embeddings=1 << 20, attn_implementation="sdpa"))
+    student = build_student(teacher, bench_model.mixer_options("aaren", "smollm2-135m"))
+    ids = torch.randint(3, shape["vocab_size"], (args.batch, args.tokens))
+    saved = modeling.launch_bound, modeling._attention_dtype, os.environ.get("TRITON_INTERPRET")
+    modeling.launch_bound = lambda device: True
+    if args.attention_dtype == "model":
+        modeling._attention_dtype = lambda q: q.dtype
+    os.environ["TRITON_INTERPRET"] = "1"  # the scan's Triton kernels save what they save on a GPU
+    try:
+        result = {name: saved_by_line(model.to(dtype).train(), ids)
+                  for name, model in (("teacher", teacher), ("student", student))}
+    finally:
+        modeling.launch_bound, modeling._attention_dtype = saved[:2]
+        if saved[2] is None:
+            os.environ.pop("TRITON_INTERPRET")
+        else:
+            os.environ["TRITON_INTERPRET"] = saved[2]
+    mib = {name: per_layer(by_line, args.layers) / 2**20 for name, by_line in result.items()}
+    print(f"kept for backward per layer, {args.batch} x {args.tokens} tokens, {args.dtype}, window attention in "
+          f"{args.attention_dtype}: teacher {mib['teacher']:.1f} MiB, student {mib['student']:.1f} MiB "
+          f"({mib['student'] / mib['teacher']:.2f}x)")
+    for where, n in result["student"].most_common(args.top):
+        if not any(name in where for name in OUTSIDE_LAYERS):
+            print(f"  {n / args.layers / 2**20:8.1f} MiB  {where[:110]}")
+    return mib, result
+
+
+if __name__ == "__main__":
+    main()
