@@ -457,10 +457,13 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
     h = D // 2
     while h >= 1:  # the bits of the index from the top: pairs (i, i + h) within blocks of 2h
         a, b = y.unflatten(-1, (D // (2 * h), 2, h)).unbind(-2)
-        y = torch.empty_like(y)
-        pairs = y.unflatten(-1, (D // (2 * h), 2, h))
-        torch.add(a, b, out=pairs[..., 0, :])  # written in place: a stack with a short last dimension is slow
-        torch.sub(a, b, out=pairs[..., 1, :])
+        if _compiling():  # torch.compile takes no strided out= (and fuses the stack)
+            y = torch.stack([a + b, a - b], -2).flatten(-3)
+        else:
+            y = torch.empty_like(y)
+            pairs = y.unflatten(-1, (D // (2 * h), 2, h))
+            torch.add(a, b, out=pairs[..., 0, :])  # written in place: a stack with a short last dimension is slow
+            torch.sub(a, b, out=pairs[..., 1, :])
         h //= 2
     return y
 
@@ -557,6 +560,12 @@ class MemoryCodes:
             rounded = self.decode(*coded), coded
         back, coded = rounded
         return (back + (x - x.detach()) if x.requires_grad else back), coded
+
+
+def _compiling() -> bool:
+    """Whether torch.compile is tracing this call (torch < 2.3, a Hub user's: never)."""
+    is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    return bool(is_compiling and is_compiling())
 
 
 def _autocast_on(device_type: str) -> bool:
@@ -806,7 +815,7 @@ class AarenMixer(nn.Module):
         B, T, _ = x.shape
         H, D = self.num_heads, self.head_dim
         q, k, v = self.project(x)
-        if mixer_step_cpu is not None and self.steps_one_token(state, T) and not x.is_cuda:
+        if mixer_step_cpu is not None and self.steps_one_token(state, T) and not launch_bound(x.device):
             # with the aaren_hf package: the rest of this method for a decode token in one C call (kernels/mixer),
             # the same state and output to float rounding; the code below is its reference
             o = self.step_in_c(x, q, k, v, mask, pos, state, shared)
@@ -1113,7 +1122,7 @@ class AarenMixer(nn.Module):
         entry.update(pos=state.window_pos[:, :1].expand(B, Hkv), score=state.window_score[:, 0])
         for name, new in entry.items():
             slots = getattr(state, "memory_" + name)
-            if slots.is_inference() and not torch.is_inference_mode_enabled():
+            if not _compiling() and slots.is_inference() and not torch.is_inference_mode_enabled():
                 slots = slots.clone()  # a state made under inference_mode, continued outside it (generate's no_grad)
                 setattr(state, "memory_" + name, slots)
             rest = (1,) * (slots.dim() - 3)

@@ -5,7 +5,8 @@
     (fused_recurrent_aaren: same signature; the token-by-token decode path)
 
 Backend: Triton for CUDA tensors (and for CPU tensors when TRITON_INTERPRET=1, which runs the kernels in Triton's
-interpreter), PyTorch otherwise. AAREN_BACKEND=triton|torch|naive overrides. Triton is optional.
+interpreter), PyTorch otherwise and while torch.compile traces. AAREN_BACKEND=triton|torch|naive overrides. Triton
+is optional.
 
 The one-token decode step on a CPU is one C call per layer (``mixer/``; reference: ``AarenMixer.forward``'s PyTorch
 decode path), compiled on first use (``cbuild.py``) from ``aaren/step.c`` (the Aaren branch: slot scores, mix, decay
@@ -19,6 +20,8 @@ sweep of ``memory_visibility``).
 import functools
 import importlib.util
 import os
+
+import torch
 
 from .aaren.naive import naive_aaren
 
@@ -59,6 +62,10 @@ def select_backend(x) -> str:
         if forced == "triton" and not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("AAREN_BACKEND=triton with CPU tensors needs TRITON_INTERPRET=1 (Triton's interpreter)")
         return forced
+    if torch.compiler.is_compiling():
+        # torch.compile traces the PyTorch op and generates its own kernels from it; ours are wrapped at launch,
+        # which it cannot trace
+        return "torch"
     if (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") and triton_available():
         return "triton"
     return "torch"

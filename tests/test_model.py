@@ -181,6 +181,29 @@ def test_a_decode_step_never_waits_for_the_device(case):
     assert all(t.device.type == "meta" for layer in cache.layers for t in layer.tensors().values())
 
 
+@pytest.mark.parametrize("case", ["decay_input", "memory_int4_hadamard", "memory_shared", "gemma_block"])
+def test_a_gpu_decode_step_compiles_into_one_graph(case, monkeypatch):
+    """What torch.compile, and a CUDA graph after it, need from decoding: the model's whole decode step, as a GPU runs
+    it (``launch_bound`` says yes), traces into one graph without a break (``fullgraph=True``) and gives the eager
+    step's logits, step after step. Traced with the eager backend (no code generation). Triton's interpreter is on,
+    so the scan's dispatch would pick the Triton kernels (which cannot be traced) if it missed the tracing."""
+    monkeypatch.setattr(modeling, "launch_bound", lambda device: True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model = tiny_model(chunk_size=16, **MIXER_CASES[case])  # the Triton kernels' smallest chunk, for the prompt
+    ids = random_ids(2, 15, seed=2)
+    caches = [AarenCache(model.config), AarenCache(model.config)]
+    torch._dynamo.reset()
+    step = torch.compile(lambda i, c: model(i, past_key_values=c, use_cache=True).logits, fullgraph=True,
+                         backend="eager")
+    with torch.no_grad():
+        for cache in caches:
+            model(ids[:, :12], past_key_values=cache, use_cache=True)
+        for t in range(12, 15):
+            eager = model(ids[:, t:t + 1], past_key_values=caches[0], use_cache=True).logits
+            torch.testing.assert_close(step(ids[:, t:t + 1], caches[1]), eager, atol=ATOL, rtol=0)
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("case", ["slots3", "gqa_slots_window", "memory_gate_input_decay", "memory_int4_gqa"])
 def test_the_gpu_path_run_on_a_cpu_equals_the_cpu_path(case, monkeypatch):
     """What a GPU runs, run here: ``launch_bound`` says yes on the CPU, so the scan goes through the Triton kernels
