@@ -1197,7 +1197,7 @@ def test_gpu_window_attention_runs_in_the_memory_efficient_kernel(dtype):
 def test_gpu_decode_step_never_waits_for_the_device(case):
     """CUDA's own check of test_a_decode_step_never_waits_for_the_device: with sync debug mode "error", a decode
     step (Triton's one-token scan, the window step, the memory's update) raises at any read back to the host."""
-    model = tiny_model(**MIXER_CASES[case]).cuda()
+    model = tiny_model(chunk_size=16, **MIXER_CASES[case]).cuda()  # the Triton kernels' smallest chunk
     ids = random_ids(2, 20, seed=2).cuda()
     cache = AarenCache(model.config)
     with torch.no_grad():
