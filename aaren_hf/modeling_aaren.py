@@ -355,8 +355,9 @@ def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sin
         mem_keys, mem_values, evict, last = memory
         mem_rows, mem_seen, mem_counts = _memory_blocks(evict, last, T, nblk, Q)
         rows.append(mem_rows + table_k[0].shape[0])
-        table_k.append(F.pad(mem_keys.to(attend), (0, Dx - D)).reshape(-1, Dx))
-        table_v.append(F.pad(mem_values.to(attend), (0, Dx - D)).reshape(-1, Dx))
+        # decoded codes are float32 and may round past float16's largest value: saturate, as the cache does
+        table_k.append(F.pad(to_cache(mem_keys, attend), (0, Dx - D)).reshape(-1, Dx))
+        table_v.append(F.pad(to_cache(mem_values, attend), (0, Dx - D)).reshape(-1, Dx))
         seen.append(mem_seen | padding)  # [B, n, Hkv, Q, K]
     if S > 0:
         # sinks are seen from position c = min(p, S + W - 1), by queries rotated there, so their scores are not
