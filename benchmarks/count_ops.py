@@ -5,7 +5,8 @@ launch-bound, pays in kernel launches. Counts every PyTorch operator that runs e
 GPU), through the PyTorch path (``AAREN_BACKEND=torch``: no C kernels), once as a CPU runs it and once as a GPU
 does (``modeling_aaren.launch_bound`` answering yes: one prefill piece, one window-attention call, the GPU's sweep
 passes; the scan per op head, which a GPU runs as one Triton call where this counts the chunked PyTorch scan's
-operators). Deterministic: no timing.
+operators). Then one decode step after a --decode-prompt-token prompt, as a GPU runs it, against the teacher's
+(Llama, sdpa, its KV cache): at batch 1 a GPU pays such a step in launches. Deterministic: no timing.
 
     python -P benchmarks/count_ops.py                       # 32K tokens, as a CPU and as a GPU runs them
     python -P benchmarks/count_ops.py --tokens 4096 --layers 1
@@ -42,6 +43,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, default=32768)
     p.add_argument("--layers", type=int, default=2, help="layers of the SmolLM2-135M shape (random weights)")
+    p.add_argument("--decode-prompt", type=int, default=1024, help="prompt before the counted decode step (past the "
+                   "window and the memory's size, so the step does all its work)")
     args = p.parse_args(argv)
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -67,13 +70,25 @@ def main(argv=None):
             counts.append((per_layer, diff))
             print(f"{label} ({piece}-token pieces): {per_layer:,.0f} operators per layer for {args.tokens:,} tokens; "
                   f"logits differ from the first by {diff:.1e}")
+        decode = {}  # as_gpu is True here: the GPU's step
+        prompt, token = ids[:, :args.decode_prompt], ids[:, args.decode_prompt:args.decode_prompt + 1]
+        for name, model in (("teacher", teacher.eval()), ("student", student)):
+            with torch.no_grad():
+                cache = model(prompt, use_cache=True, logits_to_keep=1).past_key_values
+                extra = {"position_ids": torch.full_like(token, prompt.shape[1])} if name == "teacher" else {}
+                counter = CountOps()
+                with counter:
+                    model(token, past_key_values=cache, use_cache=True, **extra)
+            decode[name] = counter.n / args.layers
+        print(f"a decode step as a GPU runs it, after {prompt.shape[1]:,} tokens: {decode['student']:,.0f} operators "
+              f"per layer, the teacher's {decode['teacher']:,.0f} ({decode['student'] / decode['teacher']:.1f}x)")
     finally:
         modeling.launch_bound = launch_bound
         if backend is None:
             os.environ.pop("AAREN_BACKEND")
         else:
             os.environ["AAREN_BACKEND"] = backend
-    return counts
+    return {"prefill": counts, "decode": decode}
 
 
 if __name__ == "__main__":
