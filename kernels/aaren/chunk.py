@@ -28,6 +28,10 @@ After the first chunk, R and <o_0, R> - rho are the gradients of the initial sta
 
 Varlen (cu_seqlens) is handled inside the kernel: program n reads its bounds from cu_seqlens.
 
+Grouped values: v may have H / GV heads, each shared by GV consecutive op heads (a GQA model's query heads and slots
+of one kv head); program (n, h) reads value head h // GV, so nothing is copied per op head. The backward writes dv
+per op head (float32) and the host sums each group.
+
 The kernels are plain functions, wrapped by ``get_kernel`` at launch (compiled, or Triton's interpreter when
 TRITON_INTERPRET=1). All loads are converted to fp32 at once (the interpreter gets bf16 arithmetic wrong); the
 dots run in fp32 ("ieee") for fp32/fp64 inputs and tf32 for 16-bit inputs.
