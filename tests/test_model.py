@@ -636,6 +636,26 @@ def test_memory_visibility_equals_ranking_every_query_by_brute_force(ranking, mo
         assert torch.equal(got, want), (trial, T, P, first, W, S, M, block)
 
 
+@pytest.mark.parametrize("backend", ["c", "torch"])
+@pytest.mark.parametrize("case", ["memory_learned", "memory_int4_gqa", "memory_shared"])
+def test_a_nan_retention_score_ranks_as_minus_inf_in_every_path(case, backend, monkeypatch):
+    """A broken model's NaN retention score: comparisons with NaN are false, so the parallel pass's ranking (the C
+    heap, or the sweep) and the decode step (C, or PyTorch) each treated it their own way and kept different tokens
+    (logits 2.8-5.7 apart here). Ranked as -inf everywhere, token-by-token decoding equals the parallel pass."""
+    if backend == "torch":
+        monkeypatch.setenv("AAREN_BACKEND", "torch")
+    model = tiny_model(**MIXER_CASES[case])
+    for layer in model.model.layers:
+        if hasattr(layer.mixer, "retention_proj"):  # NaN for the tokens whose first feature is large
+            layer.mixer.retention_proj.register_forward_hook(
+                lambda mod, inp, out: out.masked_fill(inp[0][..., :1] > 0.3, float("nan")))
+    ids = random_ids(2, 30, seed=1)
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+    assert torch.isfinite(full).all()
+    torch.testing.assert_close(incremental_logits(model, ids, (7,)), full, atol=ATOL, rtol=0)
+
+
 def test_shared_retention_keeps_the_top_tokens_by_the_larger_score():
     """memory_shared_layer=0: layer 1's memory holds, per KV head, the M tokens that have left the window with the
     highest max(own score, layer 0's best score over KV heads), by a brute-force sort; layer 0's memory is its own.

@@ -81,8 +81,12 @@ int aaren_mixer_step(
                     r = retention_in[b * Hkv + h];
                 } else {
                     r = -INFINITY;
-                    for (int j = 0; j < GJ; j++) r = fmaxf(r, s[b * HJ + h * GJ + j]);
+                    for (int j = 0; j < GJ; j++) { /* NaN propagates, as torch.amax (fmaxf would drop it) */
+                        float x = s[b * HJ + h * GJ + j];
+                        r = (x != x || r != r) ? NAN : fmaxf(r, x);
+                    }
                 }
+                if (r != r) r = -INFINITY; /* a NaN score ranks as -inf, as round_retention has it */
                 r = rintf(r * 64.0f) / 64.0f; /* round half to even, as torch.round */
                 if (share == 2) r = fmaxf(r, shared[b]);
                 retention[b * Hkv + h] = r;
