@@ -180,6 +180,19 @@ def mixer_options(kind, shape):
     return mixer
 
 
+def random_teacher_and_student(layers):
+    """A Llama teacher of SmolLM2-135M's shape with ``layers`` layers (random weights, seed 0) and the default student
+    converted from it: what count_ops.py and saved_memory.py count."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from aaren_hf.conversion.convert import build_student
+
+    torch.manual_seed(0)
+    shape = dict(SHAPES["smollm2-135m"], num_hidden_layers=layers)
+    teacher = LlamaForCausalLM(LlamaConfig(**shape, max_position_embeddings=1 << 20, attn_implementation="sdpa"))
+    return teacher, build_student(teacher, mixer_options("aaren", "smollm2-135m"))
+
+
 def build_models(args):
     """{name: model} on the device, in eval mode and the benchmark dtype; students converted from the teacher, or
     the --student folder and its own teacher."""

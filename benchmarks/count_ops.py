@@ -15,6 +15,7 @@ operators). Then one decode step after a --decode-prompt-token prompt, as a GPU 
 import argparse
 import os
 import sys
+from unittest import mock
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -46,34 +47,26 @@ def main(argv=None):
     p.add_argument("--decode-prompt", type=int, default=1024, help="prompt before the counted decode step (past the "
                    "window and the memory's size, so the step does all its work)")
     args = p.parse_args(argv)
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from aaren_hf.conversion.convert import build_student
-
-    torch.manual_seed(0)
-    shape = dict(bench_model.SHAPES["smollm2-135m"], num_hidden_layers=args.layers)
-    teacher = LlamaForCausalLM(LlamaConfig(**shape, max_position_embeddings=1 << 20, attn_implementation="sdpa"))
-    student = build_student(teacher, bench_model.mixer_options("aaren", "smollm2-135m")).eval()
-    ids = torch.randint(3, shape["vocab_size"], (1, args.tokens))
-    launch_bound, backend = modeling.launch_bound, os.environ.get("AAREN_BACKEND")
-    os.environ["AAREN_BACKEND"] = "torch"  # the C kernels off (each call asks)
+    teacher, student = bench_model.random_teacher_and_student(args.layers)
+    teacher, student = teacher.eval(), student.eval()
+    ids = torch.randint(3, teacher.config.vocab_size, (1, args.tokens))
     counts, first = [], None
-    try:
+    with mock.patch.dict(os.environ, AAREN_BACKEND="torch"):  # the C kernels off (each call asks)
         for label, as_gpu in (("as a CPU runs it", False), ("as a GPU runs it", True)):
-            modeling.launch_bound = lambda device: as_gpu
-            piece = modeling.prefill_piece(1, ids.device)
-            counter = CountOps()
-            with torch.no_grad(), counter:
-                logits = student(ids, use_cache=True, logits_to_keep=1).logits
+            with mock.patch.object(modeling, "launch_bound", lambda device: as_gpu), torch.no_grad():
+                piece = modeling.prefill_piece(1, ids.device)
+                counter = CountOps()
+                with counter:
+                    logits = student(ids, use_cache=True, logits_to_keep=1).logits
             first = logits if first is None else first
             per_layer, diff = counter.n / args.layers, float((logits - first).abs().max())
             counts.append((per_layer, diff))
             print(f"{label} ({piece}-token pieces): {per_layer:,.0f} operators per layer for {args.tokens:,} tokens; "
                   f"logits differ from the first by {diff:.1e}")
-        decode = {}  # as_gpu is True here: the GPU's step
+        decode = {}
         prompt, token = ids[:, :args.decode_prompt], ids[:, args.decode_prompt:args.decode_prompt + 1]
-        for name, model in (("teacher", teacher.eval()), ("student", student)):
-            with torch.no_grad():
+        for name, model in (("teacher", teacher), ("student", student)):
+            with mock.patch.object(modeling, "launch_bound", lambda device: True), torch.no_grad():
                 cache = model(prompt, use_cache=True, logits_to_keep=1).past_key_values
                 extra = {"position_ids": torch.full_like(token, prompt.shape[1])} if name == "teacher" else {}
                 counter = CountOps()
@@ -82,12 +75,6 @@ def main(argv=None):
             decode[name] = counter.n / args.layers
         print(f"a decode step as a GPU runs it, after {prompt.shape[1]:,} tokens: {decode['student']:,.0f} operators "
               f"per layer, the teacher's {decode['teacher']:,.0f} ({decode['student'] / decode['teacher']:.1f}x)")
-    finally:
-        modeling.launch_bound = launch_bound
-        if backend is None:
-            os.environ.pop("AAREN_BACKEND")
-        else:
-            os.environ["AAREN_BACKEND"] = backend
     return {"prefill": counts, "decode": decode}
 
 

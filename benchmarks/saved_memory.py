@@ -16,6 +16,7 @@ import collections
 import os
 import sys
 import traceback
+from unittest import mock
 
 import torch
 
@@ -61,30 +62,15 @@ def main(argv=None):
                    help="window attention as CUDA runs it (the model's dtype) or in float32 (as before 582595d)")
     p.add_argument("--top", type=int, default=12, help="student source lines to list")
     args = p.parse_args(argv)
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from aaren_hf.conversion.convert import build_student
-
     dtype = getattr(torch, args.dtype)
-    torch.manual_seed(0)
-    shape = dict(bench_model.SHAPES["smollm2-135m"], num_hidden_layers=args.layers)
-    teacher = LlamaForCausalLM(LlamaConfig(**shape, max_position_embeddings=1 << 20, attn_implementation="sdpa"))
-    student = build_student(teacher, bench_model.mixer_options("aaren", "smollm2-135m"))
-    ids = torch.randint(3, shape["vocab_size"], (args.batch, args.tokens))
-    saved = modeling.launch_bound, modeling._attention_dtype, os.environ.get("TRITON_INTERPRET")
-    modeling.launch_bound = lambda device: True
-    if args.attention_dtype == "model":
-        modeling._attention_dtype = lambda q: q.dtype
-    os.environ["TRITON_INTERPRET"] = "1"  # the scan's Triton kernels save what they save on a GPU
-    try:
+    teacher, student = bench_model.random_teacher_and_student(args.layers)
+    ids = torch.randint(3, teacher.config.vocab_size, (args.batch, args.tokens))
+    attend = (lambda q: q.dtype) if args.attention_dtype == "model" else (lambda q: torch.float32)
+    # the scan's Triton kernels (interpreted) save what they save on a GPU
+    with mock.patch.object(modeling, "launch_bound", lambda device: True), \
+            mock.patch.object(modeling, "_attention_dtype", attend), mock.patch.dict(os.environ, TRITON_INTERPRET="1"):
         result = {name: saved_by_line(model.to(dtype).train(), ids)
                   for name, model in (("teacher", teacher), ("student", student))}
-    finally:
-        modeling.launch_bound, modeling._attention_dtype = saved[:2]
-        if saved[2] is None:
-            os.environ.pop("TRITON_INTERPRET")
-        else:
-            os.environ["TRITON_INTERPRET"] = saved[2]
     mib = {name: per_layer(by_line, args.layers) / 2**20 for name, by_line in result.items()}
     print(f"kept for backward per layer, {args.batch} x {args.tokens} tokens, {args.dtype}, window attention in "
           f"{args.attention_dtype}: teacher {mib['teacher']:.1f} MiB, student {mib['student']:.1f} MiB "
