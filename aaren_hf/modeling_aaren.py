@@ -582,8 +582,8 @@ def round_retention(score: torch.Tensor) -> torch.Tensor:
     """Retention scores on a grid of 1/64 (see ``AarenMixer.retention_score``). A NaN score (a broken model's) ranks
     as -inf: comparisons with NaN are false, so each ranking (sweep, heap, decode step) would otherwise treat it
     its own way, and the parallel pass and decoding would keep different tokens."""
-    score = score.float()
-    return torch.round(score.masked_fill(score.isnan(), float("-inf")) * 64) / 64
+    inf = float("inf")
+    return torch.round(torch.nan_to_num(score.float(), nan=-inf, posinf=inf, neginf=-inf) * 64) / 64
 
 
 def memory_visibility(cand_pos, cand_score, first_stream, window, num_sinks, memory_size, T, block=None):
