@@ -32,13 +32,14 @@ from .configuration_aaren import AarenConfig
 
 try:  # Triton kernels on CUDA and the C kernels on CPUs, when this package is installed; the PyTorch code in this
     # file serves everywhere else (a checkpoint's own copy of it: nothing else to install)
-    from aaren_hf.kernels import chunk_aaren, fused_recurrent_aaren
+    from aaren_hf.kernels import (WINDOW_BLOCK, chunk_aaren, fused_recurrent_aaren, fused_window_attention,
+                                  select_backend)
     from aaren_hf.kernels.aaren import aaren_scan_cpu
     from aaren_hf.kernels.memory import memory_evict_cpu, memory_round_cpu
     from aaren_hf.kernels.mixer import mixer_step_cpu
 except ImportError:
     chunk_aaren, fused_recurrent_aaren = chunk_aaren_torch, recurrent_aaren_torch
-    aaren_scan_cpu = memory_evict_cpu = memory_round_cpu = mixer_step_cpu = None
+    aaren_scan_cpu = memory_evict_cpu = memory_round_cpu = mixer_step_cpu = fused_window_attention = None
 
 
 # With a cache kept (prefill), prompts longer than this go through the model in pieces of this many tokens on a CPU.
@@ -308,6 +309,9 @@ def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sin
     B, T, H, D = q.shape
     Hkv = k.shape[2]
     G, W, S = H // Hkv, window, sink_k.shape[1]
+    if fused_window_attention is not None and launch_bound(q.device) and select_backend(q) == "triton":
+        return _window_attention_fused(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sink_pos, window,
+                                       inv_freq, scale, memory)
     k_all = torch.cat([k_prev.to(k.dtype), k], 1)
     v_all = torch.cat([v_prev.to(v.dtype), v], 1)
     pos_all = torch.cat([pos_prev, pos], 1)
@@ -362,13 +366,8 @@ def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sin
     if S > 0:
         # sinks are seen from position c = min(p, S + W - 1), by queries rotated there, so their scores are not
         # q . k: computed apart, they ride in S more query dimensions, which only the S sink keys read (one-hot
-        # there). <R(c) q, k> = <q, R(-c) k>: the sink keys turned back by each of the S + W values of c (a few
-        # rows), one of them per query, rather than every query rotated a second time.
-        turned = rotate(sink_k.float().unsqueeze(1).expand(B, S + W, S, Hkv, D).reshape(B, S + W, S * Hkv, D),
-                        -arange(S + W).expand(B, -1), inv_freq)
-        c = qpos.reshape(B, Tp).clamp(min=0, max=S + W - 1) + arange(0, B * (S + W), S + W).view(B, 1)
-        sink_keys = turned.reshape(B * (S + W), S, Hkv, D).index_select(0, c.flatten()).view(B, Tp, S, Hkv, D)
-        scores = torch.matmul(qp.to(attend).view(B, Tp, Hkv, G, D), sink_keys.to(attend).permute(0, 1, 3, 4, 2))
+        # there)
+        scores = _sink_scores(qp, qpos.reshape(B, Tp), sink_k, W, inv_freq, attend)
         qw[..., D:D + S] = scores.view(B, nblk, Q, Hkv, G, S).permute(0, 1, 3, 4, 2, 5)
         rows.append(arange(B * Hkv * S).view(B, 1, Hkv, S) + sum(part.shape[0] for part in table_k))
         table_k.append(F.pad(torch.eye(S, device=q.device, dtype=attend), (D, Dx - D - S)).repeat(B * Hkv, 1))
@@ -407,6 +406,48 @@ def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sin
     out = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
     out = out[..., :D].permute(0, 1, 4, 2, 3, 5).reshape(B, Tp, H, D)[:, :T]
     return out.masked_fill((pos < 0).view(B, T, 1, 1), 0.0).to(q.dtype)  # not in place: out may view SDPA's own
+
+
+def _window_attention_fused(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sink_pos, window, inv_freq,
+                            scale, memory):
+    """:func:`window_attention` by the Triton kernel (kernels/window/chunk.py): the window's keys are read where they
+    lie, the memory's through each block's list of candidates, and what a query sees is decided in the kernel, so
+    no block's keys are gathered and no mask is built (on a GPU the gathered keys and values were about ten times the
+    window's, kept for backward)."""
+    B, T, H, D = q.shape
+    S, attend = sink_k.shape[1], _attention_dtype(q)
+    qr = rotate(q, pos.clamp(min=0), inv_freq).to(attend)
+    ks, vs = (torch.cat([prev.to(attend), x.to(attend)], 1) for prev, x in ((k_prev, k), (v_prev, v)))
+    spos = torch.cat([pos_prev, pos], 1)
+    lists = None
+    if memory is not None:
+        mem_keys, mem_values, evict, last = memory
+        nblk = -(-T // WINDOW_BLOCK)
+        idx, counts = _memory_lists(evict, last, T, nblk, WINDOW_BLOCK)
+        # decoded codes are float32 and may round past float16's largest value: saturate, as the cache does
+        lists = (to_cache(mem_keys, attend), to_cache(mem_values, attend), evict, last, idx, counts)
+    sinks = None
+    if S > 0:
+        sp = sink_pos.view(B, 1, S)
+        seen = (sp >= 0) & (sp <= pos.unsqueeze(-1) - window) & (pos >= 0).unsqueeze(-1)
+        sinks = (_sink_scores(q, pos, sink_k, window, inv_freq, attend).view(B, T, H, S), sink_v.to(attend), seen)
+    out = fused_window_attention(qr, pos, ks, vs, spos, k_prev.shape[1], window, scale, lists, sinks)
+    return out.to(q.dtype)
+
+
+def _sink_scores(q, qpos, sink_k, window, inv_freq, attend):
+    """Scores [B, T, Hkv, G, S] of queries q [B, T, H, D] (not rotated) at qpos [B, T] against the S sinks, each query
+    rotated to c = min(p, S + W - 1) (:func:`window_attention`): <R(c) q, k> = <q, R(-c) k>, so the sink keys are
+    turned back by each of the S + W values of c (a few rows), one of them per query, rather than every query rotated
+    a second time."""
+    B, T, H, D = q.shape
+    S, Hkv, W = sink_k.shape[1], sink_k.shape[2], window
+    arange = partial(torch.arange, device=q.device)
+    turned = rotate(sink_k.float().unsqueeze(1).expand(B, S + W, S, Hkv, D).reshape(B, S + W, S * Hkv, D),
+                    -arange(S + W).expand(B, -1), inv_freq)
+    c = qpos.clamp(min=0, max=S + W - 1) + arange(0, B * (S + W), S + W).view(B, 1)
+    sink_keys = turned.reshape(B * (S + W), S, Hkv, D).index_select(0, c.flatten()).view(B, T, S, Hkv, D)
+    return torch.matmul(q.to(attend).view(B, T, Hkv, H // Hkv, D), sink_keys.to(attend).permute(0, 1, 3, 4, 2))
 
 
 def _attention_dtype(q: torch.Tensor) -> torch.dtype:
@@ -679,11 +720,11 @@ def memory_seen(evict, last):
     return (index <= last) & (last < evict.unsqueeze(-2))
 
 
-def _memory_blocks(evict, last, T, nblk, Q):
+def _memory_lists(evict, last, T, nblk, Q):
     """Per block of Q queries (T in all), the candidates some query of the block sees: at most M + Q of them (the
-    block starts with at most M and each query adds at most the one token leaving its window). Returns their rows
-    [B, n, Hkv, K] in the candidates as rows [B * Hkv * C] (seen ones first), visible [B, n, Hkv, Q, K] (padding
-    queries: whatever their position gives) and [n] how many of the K the block needs at most (over rows and heads)."""
+    block starts with at most M and each query adds at most the one token leaving its window). Returns their indices
+    [B, n, Hkv, K] in the candidates (seen ones first; the rest fill up to K, the most any block needs) and [n] how
+    many of the K the block needs at most (over rows and heads)."""
     B, Hkv, C = evict.shape
     last = last[:T]
     # the block's queries have last indices lo..hi (last grows with the query): a candidate in the memory at any
@@ -693,10 +734,18 @@ def _memory_blocks(evict, last, T, nblk, Q):
     seen = (index <= hi.view(-1, 1, 1)) & (evict.unsqueeze(1) > lo.view(-1, 1, 1))  # [B, n, Hkv, C]
     counts = seen.sum(-1).amax((0, 2))  # [n]: the most candidates a block sees (over rows and kv heads)
     K = max(1, min(C, int(counts.max())))
-    idx = torch.sort((~seen).to(torch.uint8), dim=-1, stable=True).indices[..., :K]  # seen candidates first
+    return torch.sort((~seen).to(torch.uint8), dim=-1, stable=True).indices[..., :K], counts
+
+
+def _memory_blocks(evict, last, T, nblk, Q):
+    """:func:`_memory_lists` as rows [B, n, Hkv, K] of the candidates as rows [B * Hkv * C], with visible
+    [B, n, Hkv, Q, K] (padding queries: whatever their position gives) and the counts."""
+    B, Hkv, C = evict.shape
+    idx, counts = _memory_lists(evict, last, T, nblk, Q)
+    K = idx.shape[-1]
     # candidates move as whole rows: index_select copies rows, far faster than a gather
     rows = idx + torch.arange(0, B * Hkv * C, C, device=idx.device).view(B, 1, Hkv, 1)
-    q_last = F.pad(last, (0, nblk * Q - T), value=-1).view(nblk, 1, Q, 1)
+    q_last = F.pad(last[:T], (0, nblk * Q - T), value=-1).view(nblk, 1, Q, 1)
     ends = evict.reshape(-1).index_select(0, rows.flatten()).view(B, nblk, Hkv, 1, K)
     return rows, (idx.unsqueeze(3) <= q_last) & (q_last < ends), counts
 

@@ -1,4 +1,7 @@
-"""Aaren scan ops: PyTorch references and Triton kernels behind one dispatch point.
+"""Aaren scan ops: PyTorch references and Triton kernels behind one dispatch point; the window branch's attention
+for training and prefill in Triton (``window/chunk.py``, ``fused_window_attention``; reference: the PyTorch path of
+``window_attention`` in modeling_aaren.py, which takes it where ``select_backend`` says Triton on a launch-bound
+device).
 
     o, final_state = chunk_aaren(s, v, g=None, initial_state=None, output_final_state=False, cu_seqlens=None,
                                  chunk_size=64)
@@ -88,3 +91,15 @@ def fused_recurrent_aaren(s, v, g=None, initial_state=None, output_final_state=F
         return fused_recurrent_aaren_triton(s, v, g, initial_state, output_final_state, cu_seqlens)
     fn = _torch_ops()[1] if backend == "torch" else naive_aaren
     return fn(s, v, g, initial_state, output_final_state, cu_seqlens)
+
+
+# queries per program of the Triton window attention; the memory's candidate lists it reads are per block of these
+WINDOW_BLOCK = 64
+
+
+def fused_window_attention(q, qpos, ks, vs, spos, P0, window, scale, memory=None, sinks=None):
+    """The window branch's attention in Triton (``window/chunk.py``; reference: ``window_attention``'s PyTorch path
+    in modeling_aaren.py). Callers check ``select_backend(q) == "triton"`` first."""
+    from .window.chunk import window_attention_triton
+
+    return window_attention_triton(q, qpos, ks, vs, spos, P0, window, scale, memory, sinks)

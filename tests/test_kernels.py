@@ -413,6 +413,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 from aaren_hf.kernels.aaren import chunk, fused_recurrent
+from aaren_hf.kernels.window import chunk as window_chunk
 
 def aot(fn, sig, consts):
     jf = triton.jit(fn)
@@ -430,6 +431,13 @@ aot(chunk._aaren_chunk_bwd_kernel, dict(common, do=B, dht_o=P, dht_lse=P, ds=B, 
     dict(c, HAS_DHT=True))
 aot(fused_recurrent._aaren_fused_recurrent_fwd_kernel, dict(common, o=B),
     dict(H=8, GV=2, D=100, BD=128, HAS_G=True, HAS_H0=True, IS_VARLEN=True))
+I = "*i64"
+common = dict(q=B, qpos=I, ks=B, vs=B, spos=I, mk=B, mv=B, evict=I, last=I, idx=I, counts=I, sink_s=B, sink_v=B,
+              sink_seen="*u8", lse=P, T="i32", Ls="i32", P0="i32", W="i32", C="i32", K="i32", NB="i32", scale="fp32")
+c = dict(H=9, HKV=3, S=1, D=64, BD=64, BQ=64, BK=64, HAS_MEM=True, DOT_PREC="tf32")
+aot(window_chunk._window_fwd_kernel, dict(common, o=B), c)
+aot(window_chunk._window_bwd_kernel, dict(common, do=B, delta=P, dq=P, dks=P, dvs=P, dmk=P, dmv=P, dsink_s=P,
+                                          dsink_v=P), c)
 """
 
 
@@ -505,3 +513,121 @@ def test_gpu_large_vs_torch():
     ref = run(chunk_aaren_torch, flat(s), flat(v), flat(g), st, gr, cu_seqlens=cu, state_dtype=torch.float32)
     res = run(chunk_aaren, flat(s), flat(v), flat(g), st, gr, cu_seqlens=cu, state_dtype=torch.float32)
     compare(res, ref, 3e-2, flat(v), "large varlen")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The window branch's attention (kernels/window/chunk.py) against a dense float64 softmax with the mask written out.
+
+
+def window_inputs(B=2, T=150, H=4, Hkv=2, D=24, P0=5, W=16, C=40, S=2, memory=True, sinks=True, seed=0,
+                  dtype=torch.float32, device="cpu"):
+    """Random queries, a stream of P0 + T keys (left padding in both rows), C memory candidates with random
+    stretches, S sinks; the memory's lists as the model builds them (``_memory_lists``)."""
+    from aaren_hf.modeling_aaren import _memory_lists
+
+    gen = torch.Generator().manual_seed(seed)
+    rnd = lambda *shape: torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)  # noqa: E731
+    Ls = P0 + T
+    spos = (torch.arange(Ls) - P0).expand(B, Ls).clone()
+    spos[0, :3], spos[1, :P0 + 12] = -1, -1
+    x = dict(q=rnd(B, T, H, D), ks=rnd(B, Ls, Hkv, D), vs=rnd(B, Ls, Hkv, D))
+    args = dict(qpos=spos[:, P0:].to(device), spos=spos.to(device), P0=P0, window=W, scale=D ** -0.5)
+    lists = sink = None
+    if memory:
+        x.update(mk=rnd(B, Hkv, C, D), mv=rnd(B, Hkv, C, D))
+        # as memory_visibility gives them: query i's last eligible candidate grows by one per query once the
+        # window has filled; candidate c stays until some later index (-1: never in the memory)
+        stay = torch.randint(1, 40, (B, Hkv, C), generator=gen)
+        evict = torch.where(torch.rand(B, Hkv, C, generator=gen) < 0.2, -1, torch.arange(C) + stay)
+        last = (torch.arange(T + 1) - 20).clamp(-1, C - 1)
+        idx, counts = _memory_lists(evict, last, T, -(-T // K.WINDOW_BLOCK), K.WINDOW_BLOCK)
+        lists = (evict, last, idx, counts)
+    if sinks:
+        x.update(sink_s=rnd(B, T, H, S) * 3, sink_v=rnd(B, S, Hkv, D))
+        sink = torch.rand(B, T, S, generator=gen) < 0.6
+    return x, args, lists, sink
+
+
+def run_window(x, args, memory, sink):
+    from aaren_hf.kernels import fused_window_attention
+
+    dev = x["q"].device
+    mem = None if memory is None else (x["mk"], x["mv"]) + tuple(t.to(dev) for t in memory)
+    sinks = None if sink is None else (x["sink_s"], x["sink_v"], sink.to(dev))
+    return fused_window_attention(x["q"], args["qpos"], x["ks"], x["vs"], args["spos"], args["P0"], args["window"],
+                                  args["scale"], mem, sinks)
+
+
+def dense_window(x, args, memory, sink):
+    """Every key each query sees in one list, the mask written out: [B, T, H, D]; a padding query gets 0."""
+    q, ks, vs = x["q"], x["ks"], x["vs"]
+    B, T, H, D = q.shape
+    Ls, Hkv = ks.shape[1], ks.shape[2]
+    G, P0, W = H // Hkv, args["P0"], args["window"]
+    spos, qpos = args["spos"].cpu(), args["qpos"].cpu()
+    keys, values = [ks.repeat_interleave(G, 2).transpose(1, 2)], [vs.repeat_interleave(G, 2).transpose(1, 2)]
+    me, r = torch.arange(T).view(T, 1) + P0, torch.arange(Ls)
+    masks = [((r <= me) & (r > me - W) & (spos.view(B, 1, Ls) >= 0)).view(B, 1, T, Ls).expand(B, H, T, Ls)]
+    if memory is not None:
+        evict, last = memory[0], memory[1][:T]
+        C = evict.shape[-1]
+        keys.append(x["mk"].repeat_interleave(G, 1))
+        values.append(x["mv"].repeat_interleave(G, 1))
+        masks.append((torch.arange(C) <= last.view(T, 1)) & (last.view(T, 1) < evict.repeat_interleave(G, 1)[:, :, None]))
+    logits = [torch.einsum("bthd,bhkd->bhtk", q, k) * args["scale"] for k in keys]
+    if sink is not None:
+        logits.append(x["sink_s"].permute(0, 2, 1, 3) * args["scale"])
+        values.append(x["sink_v"].repeat_interleave(G, 2).transpose(1, 2))
+        masks.append(sink.view(B, 1, T, -1).expand(B, H, T, sink.shape[-1]))
+    mask = torch.cat(masks, -1).to(q.device) & (qpos >= 0).view(B, 1, T, 1).to(q.device)
+    p = torch.softmax(torch.cat(logits, -1).masked_fill(~mask, float("-inf")), -1).nan_to_num(0.0)
+    return torch.einsum("bhtk,bhkd->bthd", p, torch.cat(values, 2))
+
+
+def window_grads(fn, x, args, memory, sink, dtype=None):
+    leaves = {n: t.detach().to(dtype or t.dtype).requires_grad_() for n, t in x.items()}
+    o = fn(leaves, args, memory, sink)
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(1)).to(o)
+    return (o, *torch.autograd.grad(o, list(leaves.values()), do)), ["o", *leaves]
+
+
+@needs_triton
+@pytest.mark.parametrize("memory,sinks,P0,T", [(True, True, 5, 150), (True, False, 0, 64), (False, True, 15, 63),
+                                               (False, False, 3, 1), (True, True, 15, 200)])
+def test_window_kernel_vs_dense_float64(memory, sinks, P0, T):
+    """Forward and every gradient (queries, stream keys and values, memory keys and values, sink scores and values):
+    several blocks of queries, a stream with and without earlier entries, left padding, a head size that is not a
+    power of two, grouped kv heads, a candidate list cut at each block's count."""
+    x, args, mem, sink = window_inputs(T=T, P0=P0, memory=memory, sinks=sinks)
+    got, names = window_grads(run_window, x, args, mem, sink)
+    want, _ = window_grads(dense_window, x, args, mem, sink, torch.float64)
+    for name, a, b in zip(names, got, want):
+        assert a.dtype == torch.float32 and torch.isfinite(a).all(), name
+        assert (a.double() - b).abs().max() <= 1e-5 * (1 + b.abs().max()), name
+    assert got[0][:, :, :, :][args["qpos"] < 0].abs().max() == 0  # padding queries: 0
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_window_kernel_16_bit_inputs(dtype):
+    """16-bit inputs (the GPU's): float32 inside, results within their dtype's rounding of float64."""
+    x, args, mem, sink = window_inputs(dtype=dtype)
+    got, names = window_grads(run_window, x, args, mem, sink)
+    want, _ = window_grads(dense_window, x, args, mem, sink, torch.float64)
+    for name, a, b in zip(names, got, want):
+        assert a.dtype == dtype and torch.isfinite(a).all(), name
+        assert (a.double() - b).abs().max() <= 2e-2 * (1 + b.abs().max()), name
+
+
+@pytest.mark.requires_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_window_kernel_vs_dense(dtype):
+    """The compiled window kernel (tf32 dots for 16-bit inputs, ieee for float32, float32 atomics in backward) at
+    SmolLM2's head shape, against float64: several hundred blocks, a memory, a sink."""
+    x, args, mem, sink = window_inputs(B=2, T=1000, H=9, Hkv=3, D=64, P0=63, W=64, C=600, S=1, dtype=dtype,
+                                       device="cuda")
+    got, names = window_grads(run_window, x, args, mem, sink)
+    want, _ = window_grads(dense_window, x, args, mem, sink, torch.float64)
+    for name, a, b in zip(names, got, want):
+        assert a.dtype == dtype and torch.isfinite(a).all(), name
+        assert (a.double() - b).abs().max() <= (2e-2 if dtype == torch.bfloat16 else 1e-3) * (1 + b.abs().max()), name

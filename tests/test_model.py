@@ -229,6 +229,48 @@ def test_the_gpu_path_run_on_a_cpu_equals_the_cpu_path(case, monkeypatch):
         assert (gpu_grads[name] - grad).norm() <= 1e-4 * grad.norm() + 1e-6, name
 
 
+@pytest.mark.parametrize("memory_bits", [None, 4])
+def test_the_window_kernel_equals_the_pytorch_window_attention(memory_bits, monkeypatch):
+    """On the GPU's path the window branch runs the Triton kernel (kernels/window/chunk.py; Triton's interpreter
+    here); without it, the PyTorch path that gathers every block's keys. Over several blocks of queries (150
+    tokens, 64 per block), with left padding, sinks and a memory that fills and evicts, in one call and in two pieces
+    (the second reading the state the first left): the same logits and the same gradients."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(modeling, "launch_bound", lambda device: True)
+    model = tiny_model(seed=1, chunk_size=16, num_key_value_heads=2, num_query_slots=2, window_size=16,
+                       num_sink_tokens=2, memory_size=12, memory_bits=memory_bits)
+    ids, mask = random_ids(2, 150, seed=5), torch.ones(2, 150, dtype=torch.long)
+    mask[1, :9] = 0
+    results, ran = {}, []
+    kernel = modeling.fused_window_attention
+    if kernel is None:
+        pytest.skip("aaren_hf.kernels is not importable")
+
+    def counted(*args):
+        ran.append(args[0].shape[1])
+        return kernel(*args)
+
+    for path in ("kernel", "pytorch"):
+        monkeypatch.setattr(modeling, "fused_window_attention", counted if path == "kernel" else None)
+        model.zero_grad()
+        logits = model(ids, attention_mask=mask, use_cache=False).logits
+        logits.square().sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        cache = AarenCache(model.config)
+        with torch.no_grad():
+            pieces = [model(ids[:, :70], attention_mask=mask[:, :70], past_key_values=cache, use_cache=True).logits,
+                      model(ids[:, 70:], attention_mask=mask, past_key_values=cache, use_cache=True).logits]
+        results[path] = logits.detach(), grads, torch.cat(pieces, 1)
+    assert ran == [150, 150, 70, 70, 80, 80]  # 2 layers: the whole prompt, then its two pieces
+    (logits, grads, pieces), (want, want_grads, want_pieces) = results["kernel"], results["pytorch"]
+    torch.testing.assert_close(logits, want, atol=ATOL, rtol=0)
+    torch.testing.assert_close(pieces, want_pieces, atol=ATOL, rtol=0)
+    torch.testing.assert_close(pieces, want, atol=ATOL, rtol=0)
+    assert grads.keys() == want_grads.keys()
+    for name, grad in want_grads.items():
+        assert (grads[name] - grad).norm() <= 1e-4 * grad.norm() + 1e-6, name
+
+
 @pytest.mark.parametrize("case", ["paper", "slots3", "decay_input", "gqa_slots_window", "memory_gate_input_decay"])
 def test_prompt_scan_in_c_equals_the_chunked_scan(case, monkeypatch):
     """A prompt without gradients takes the C scan (kernels/aaren/step.c, aaren_scan_mixed); with it off, the chunked

@@ -1,0 +1,275 @@
+# Copyright 2026 The aaren-hf authors. Apache-2.0.
+"""The window branch's attention for training and prefill in Triton, forward and backward: each query attends, in one
+softmax, over the last W tokens of the stream, the memory candidates it sees and the sink tokens it sees.
+Reference: ``window_attention`` in ``aaren_hf/modeling_aaren.py`` (its PyTorch path, which gathers every block's keys
+and values and builds its mask before one fused attention call).
+
+Here nothing is gathered and no mask is built: program (query block, sequence x head) reads the window's keys where
+they lie in the stream, the memory's through the short list of candidates its block may see (``_memory_blocks``:
+at most M + BQ), and decides what each query sees from positions and indices as it goes:
+
+    window    stream row r, query i (stream row P0 + i):  P0 + i - W < r <= P0 + i  and  pos[r] >= 0
+    memory    candidate c:                                c <= last[i] < evict[c]          (memory_visibility)
+    sinks     sink s: its score (a rotated query's dot with the sink key, computed outside: the query is rotated
+              to another position for it) and whether query i sees it
+
+Online softmax in float32 (scores, running max and sum, output); what is saved for backward is the inputs, o and
+the per-row log-sum-exp. The backward recomputes the probabilities from the lse, writes dq per program and adds dk
+and dv of the keys it read with float32 atomics (a key is read by up to two blocks of the window and by every block
+of its memory stretch, for each of the G query heads of its kv head).
+
+Loads are converted to float32; dots run in "ieee" for float32 inputs and tf32 for 16-bit ones (as the scan's).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import WINDOW_BLOCK as BQ  # queries per program; the memory's candidate lists are per block of BQ queries
+from ..aaren.chunk import _ADD, _MAX, get_kernel
+BK = 64  # keys per tile
+
+
+def _window_fwd_kernel(
+    q, qpos, ks, vs, spos, mk, mv, evict, last, idx, counts, sink_s, sink_v, sink_seen, o, lse,
+    T, Ls, P0, W, C, K, NB, scale,
+    H: tl.constexpr, HKV: tl.constexpr, S: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BQ: tl.constexpr,
+    BK: tl.constexpr, HAS_MEM: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    i_q = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    b = i_bh // H
+    h = i_bh % H
+    hk = h // (H // HKV)
+    rows = i_q * BQ + tl.arange(0, BQ)
+    m_q = rows < T
+    cols = tl.arange(0, BD)
+    m_d = cols < D
+    valid = m_q & (tl.load(qpos + b * T + rows, mask=m_q, other=-1) >= 0)  # padding queries see nothing: o = 0
+    row_off = (b.to(tl.int64) * T + rows) * H + h
+    b_q = tl.load(q + row_off[:, None] * D + cols[None, :], mask=m_q[:, None] & m_d[None, :], other=0).to(tl.float32)
+    m_i = tl.full([BQ], float("-inf"), tl.float32)
+    l_i = tl.full([BQ], 0.0, tl.float32)
+    acc = tl.full([BQ, BD], 0.0, tl.float32)
+
+    me = P0 + rows  # each query's own stream row
+    lo = tl.maximum(P0 + i_q * BQ - W + 1, 0)
+    hi = tl.minimum(P0 + i_q * BQ + BQ, Ls)
+    for start in range(lo, hi, BK):
+        r = start + tl.arange(0, BK)
+        m_r = r < hi
+        kv_off = (b.to(tl.int64) * Ls + r) * HKV + hk
+        kp = tl.load(spos + b.to(tl.int64) * Ls + r, mask=m_r, other=-1)
+        b_k = tl.load(ks + kv_off[:, None] * D + cols[None, :], mask=m_r[:, None] & m_d[None, :], other=0)
+        b_v = tl.load(vs + kv_off[:, None] * D + cols[None, :], mask=m_r[:, None] & m_d[None, :], other=0)
+        s = tl.dot(b_q, tl.trans(b_k.to(tl.float32)), input_precision=DOT_PREC) * scale
+        seen = valid[:, None] & (r[None, :] <= me[:, None]) & (r[None, :] > me[:, None] - W) & (kp[None, :] >= 0)
+        s = tl.where(seen, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
+        base = tl.where(m_new > float("-inf"), m_new, 0.0)  # seen nothing yet: never -inf - -inf
+        p = tl.exp(s - base[:, None])
+        alpha = tl.exp(m_i - base)
+        l_i = l_i * alpha + tl.reduce(p, 1, _ADD)
+        acc = acc * alpha[:, None]
+        m_i = m_new
+        acc += tl.dot(p, b_v.to(tl.float32), input_precision=DOT_PREC)
+
+    if HAS_MEM:
+        l_q = tl.load(last + rows, mask=m_q, other=-1)
+        n_k = tl.load(counts + i_q)
+        list_off = ((b.to(tl.int64) * NB + i_q) * HKV + hk) * K
+        row_c = (b.to(tl.int64) * HKV + hk) * C
+        for start in range(0, n_k, BK):
+            kk = start + tl.arange(0, BK)
+            m_k = kk < n_k
+            c = tl.load(idx + list_off + kk, mask=m_k, other=0)
+            ends = tl.load(evict + row_c + c, mask=m_k, other=-1)
+            b_k = tl.load(mk + (row_c + c)[:, None] * D + cols[None, :], mask=m_k[:, None] & m_d[None, :], other=0)
+            b_v = tl.load(mv + (row_c + c)[:, None] * D + cols[None, :], mask=m_k[:, None] & m_d[None, :], other=0)
+            s = tl.dot(b_q, tl.trans(b_k.to(tl.float32)), input_precision=DOT_PREC) * scale
+            seen = valid[:, None] & m_k[None, :] & (c[None, :] <= l_q[:, None]) & (l_q[:, None] < ends[None, :])
+            s = tl.where(seen, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
+            base = tl.where(m_new > float("-inf"), m_new, 0.0)  # seen nothing yet: never -inf - -inf
+            p = tl.exp(s - base[:, None])
+            alpha = tl.exp(m_i - base)
+            l_i = l_i * alpha + tl.reduce(p, 1, _ADD)
+            acc = acc * alpha[:, None]
+            m_i = m_new
+            acc += tl.dot(p, b_v.to(tl.float32), input_precision=DOT_PREC)
+
+    for j in range(S):
+        sc = tl.load(sink_s + row_off * S + j, mask=m_q, other=0).to(tl.float32) * scale
+        seen = valid & (tl.load(sink_seen + (b.to(tl.int64) * T + rows) * S + j, mask=m_q, other=0) != 0)
+        sv = tl.load(sink_v + ((b.to(tl.int64) * S + j) * HKV + hk) * D + cols, mask=m_d, other=0).to(tl.float32)
+        s = tl.where(seen, sc, float("-inf"))[:, None]
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
+        base = tl.where(m_new > float("-inf"), m_new, 0.0)  # seen nothing yet: never -inf - -inf
+        p = tl.exp(s - base[:, None])
+        alpha = tl.exp(m_i - base)
+        l_i = l_i * alpha + tl.reduce(p, 1, _ADD)
+        acc = acc * alpha[:, None]
+        m_i = m_new
+        acc += p * sv[None, :]
+
+    nonempty = l_i > 0
+    l_safe = tl.where(nonempty, l_i, 1.0)
+    tl.store(o + row_off[:, None] * D + cols[None, :], (acc / l_safe[:, None]).to(o.dtype.element_ty),
+             mask=m_q[:, None] & m_d[None, :])
+    tl.store(lse + row_off, tl.where(nonempty, m_i + tl.log(l_safe), 0.0), mask=m_q)
+
+
+def _window_bwd_kernel(
+    q, qpos, ks, vs, spos, mk, mv, evict, last, idx, counts, sink_s, sink_v, sink_seen, lse, do, delta,
+    dq, dks, dvs, dmk, dmv, dsink_s, dsink_v,
+    T, Ls, P0, W, C, K, NB, scale,
+    H: tl.constexpr, HKV: tl.constexpr, S: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BQ: tl.constexpr,
+    BK: tl.constexpr, HAS_MEM: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    i_q = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    b = i_bh // H
+    h = i_bh % H
+    hk = h // (H // HKV)
+    rows = i_q * BQ + tl.arange(0, BQ)
+    m_q = rows < T
+    cols = tl.arange(0, BD)
+    m_d = cols < D
+    m_qd = m_q[:, None] & m_d[None, :]
+    valid = m_q & (tl.load(qpos + b * T + rows, mask=m_q, other=-1) >= 0)
+    row_off = (b.to(tl.int64) * T + rows) * H + h
+    b_q = tl.load(q + row_off[:, None] * D + cols[None, :], mask=m_qd, other=0).to(tl.float32)
+    b_do = tl.load(do + row_off[:, None] * D + cols[None, :], mask=m_qd, other=0).to(tl.float32)
+    b_lse = tl.load(lse + row_off, mask=m_q, other=0)
+    b_delta = tl.load(delta + row_off, mask=m_q, other=0)
+    b_dq = tl.full([BQ, BD], 0.0, tl.float32)
+
+    me = P0 + rows
+    lo = tl.maximum(P0 + i_q * BQ - W + 1, 0)
+    hi = tl.minimum(P0 + i_q * BQ + BQ, Ls)
+    for start in range(lo, hi, BK):
+        r = start + tl.arange(0, BK)
+        m_r = r < hi
+        m_rd = m_r[:, None] & m_d[None, :]
+        kv_off = (b.to(tl.int64) * Ls + r) * HKV + hk
+        kp = tl.load(spos + b.to(tl.int64) * Ls + r, mask=m_r, other=-1)
+        b_k = tl.load(ks + kv_off[:, None] * D + cols[None, :], mask=m_rd, other=0).to(tl.float32)
+        b_v = tl.load(vs + kv_off[:, None] * D + cols[None, :], mask=m_rd, other=0).to(tl.float32)
+        s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC) * scale
+        seen = valid[:, None] & (r[None, :] <= me[:, None]) & (r[None, :] > me[:, None] - W) & (kp[None, :] >= 0)
+        p = tl.where(seen, tl.exp(s - b_lse[:, None]), 0.0)
+        ds = p * (tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PREC) - b_delta[:, None]) * scale
+        b_dq += tl.dot(ds, b_k, input_precision=DOT_PREC)
+        tl.atomic_add(dks + kv_off[:, None] * D + cols[None, :],
+                      tl.dot(tl.trans(ds), b_q, input_precision=DOT_PREC), mask=m_rd)
+        tl.atomic_add(dvs + kv_off[:, None] * D + cols[None, :],
+                      tl.dot(tl.trans(p), b_do, input_precision=DOT_PREC), mask=m_rd)
+
+    if HAS_MEM:
+        l_q = tl.load(last + rows, mask=m_q, other=-1)
+        n_k = tl.load(counts + i_q)
+        list_off = ((b.to(tl.int64) * NB + i_q) * HKV + hk) * K
+        row_c = (b.to(tl.int64) * HKV + hk) * C
+        for start in range(0, n_k, BK):
+            kk = start + tl.arange(0, BK)
+            m_k = kk < n_k
+            m_kd = m_k[:, None] & m_d[None, :]
+            c = tl.load(idx + list_off + kk, mask=m_k, other=0)
+            ends = tl.load(evict + row_c + c, mask=m_k, other=-1)
+            at = (row_c + c)[:, None] * D + cols[None, :]
+            b_k = tl.load(mk + at, mask=m_kd, other=0).to(tl.float32)
+            b_v = tl.load(mv + at, mask=m_kd, other=0).to(tl.float32)
+            s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC) * scale
+            seen = valid[:, None] & m_k[None, :] & (c[None, :] <= l_q[:, None]) & (l_q[:, None] < ends[None, :])
+            p = tl.where(seen, tl.exp(s - b_lse[:, None]), 0.0)
+            ds = p * (tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PREC) - b_delta[:, None]) * scale
+            b_dq += tl.dot(ds, b_k, input_precision=DOT_PREC)
+            tl.atomic_add(dmk + at, tl.dot(tl.trans(ds), b_q, input_precision=DOT_PREC), mask=m_kd)
+            tl.atomic_add(dmv + at, tl.dot(tl.trans(p), b_do, input_precision=DOT_PREC), mask=m_kd)
+
+    for j in range(S):
+        sc = tl.load(sink_s + row_off * S + j, mask=m_q, other=0).to(tl.float32) * scale
+        seen = valid & (tl.load(sink_seen + (b.to(tl.int64) * T + rows) * S + j, mask=m_q, other=0) != 0)
+        sv_at = ((b.to(tl.int64) * S + j) * HKV + hk) * D + cols
+        sv = tl.load(sink_v + sv_at, mask=m_d, other=0).to(tl.float32)
+        p = tl.where(seen, tl.exp(sc - b_lse), 0.0)
+        dp = tl.reduce(b_do * sv[None, :], 1, _ADD)
+        tl.store(dsink_s + row_off * S + j, p * (dp - b_delta) * scale, mask=m_q)
+        tl.atomic_add(dsink_v + sv_at, tl.reduce(p[:, None] * b_do, 0, _ADD), mask=m_d)
+
+    tl.store(dq + row_off[:, None] * D + cols[None, :], b_dq, mask=m_qd)
+
+
+def _dot_prec(x):
+    return "ieee" if x.element_size() >= 4 else "tf32"
+
+
+class WindowAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, ks, vs, mk, mv, sink_s, sink_v, qpos, spos, evict, last, idx, counts, sink_seen, P0, W,
+                scale):
+        B, T, H, D = q.shape
+        Ls, Hkv, S = ks.shape[1], ks.shape[2], sink_v.shape[1]
+        C, NB, K = mk.shape[2], idx.shape[1], idx.shape[3]
+        o = torch.empty_like(q)
+        lse = torch.empty(B, T, H, device=q.device, dtype=torch.float32)
+        args = (T, Ls, P0, W, C, K, NB, scale)
+        meta = dict(H=H, HKV=Hkv, S=S, D=D, BD=triton.next_power_of_2(max(D, 16)), BQ=BQ, BK=BK,
+                    HAS_MEM=C > 0, DOT_PREC=_dot_prec(q))
+        grid = (triton.cdiv(T, BQ), B * H)
+        get_kernel(_window_fwd_kernel, key=("D", "HAS_MEM"))[grid](
+            q, qpos, ks, vs, spos, mk, mv, evict, last, idx, counts, sink_s, sink_v, sink_seen, o, lse, *args, **meta)
+        ctx.save_for_backward(q, ks, vs, mk, mv, sink_s, sink_v, qpos, spos, evict, last, idx, counts, sink_seen, o,
+                              lse)
+        ctx.args, ctx.meta, ctx.grid = args, meta, grid
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, ks, vs, mk, mv, sink_s, sink_v, qpos, spos, evict, last, idx, counts, sink_seen, o, lse = ctx.saved_tensors
+        do = do.contiguous()
+        delta = (o.float() * do.float()).sum(-1)
+        f32 = dict(device=q.device, dtype=torch.float32)
+        dq = torch.empty(q.shape, **f32)
+        dks, dvs = torch.zeros(ks.shape, **f32), torch.zeros(vs.shape, **f32)
+        dmk, dmv = torch.zeros(mk.shape, **f32), torch.zeros(mv.shape, **f32)
+        dsink_s, dsink_v = torch.empty(sink_s.shape, **f32), torch.zeros(sink_v.shape, **f32)
+        get_kernel(_window_bwd_kernel, key=("D", "HAS_MEM"))[ctx.grid](
+            q, qpos, ks, vs, spos, mk, mv, evict, last, idx, counts, sink_s, sink_v, sink_seen, lse, do, delta,
+            dq, dks, dvs, dmk, dmv, dsink_s, dsink_v, *ctx.args, **ctx.meta)
+        grads = (dq.to(q.dtype), dks.to(ks.dtype), dvs.to(vs.dtype), dmk.to(mk.dtype), dmv.to(mv.dtype),
+                 dsink_s.to(sink_s.dtype), dsink_v.to(sink_v.dtype))
+        return grads + (None,) * 10
+
+
+def window_attention_triton(q, qpos, ks, vs, spos, P0, window, scale, memory=None, sinks=None):
+    """Softmax attention of each query over its window, the memory candidates it sees and the sinks it sees.
+
+    q [B, T, H, D] rotated at its position, qpos [B, T] (-1: padding, whose output is 0); ks, vs [B, Ls, Hkv, D] the
+    stream (the window entries held, then this call's T tokens: query i is stream row P0 + i), spos [B, Ls];
+    ``window``: W. ``memory``: None or (keys, values [B, Hkv, C, D], evict [B, Hkv, C], last [T + 1], idx
+    [B, NB, Hkv, K] the candidates each block of BQ queries may see, seen ones first, counts [NB] how many of them
+    the block needs at most) as ``_memory_blocks`` gives them with Q = BQ. ``sinks``: None or (scores [B, T, H, S],
+    values [B, S, Hkv, D], seen [B, T, S] bool). Returns [B, T, H, D] in q's dtype; gradients flow to q, ks, vs, the
+    memory's keys and values and the sinks' scores and values.
+    """
+    B, T, H, D = q.shape
+    Hkv = ks.shape[2]
+    dev = q.device
+    if memory is None:
+        mk = mv = q.new_zeros(B, Hkv, 0, D)
+        evict = torch.zeros(B, Hkv, 0, dtype=torch.long, device=dev)
+        last = torch.zeros(T + 1, dtype=torch.long, device=dev)
+        idx = torch.zeros(B, triton.cdiv(T, BQ), Hkv, 0, dtype=torch.long, device=dev)
+        counts = torch.zeros(triton.cdiv(T, BQ), dtype=torch.long, device=dev)
+    else:
+        mk, mv, evict, last, idx, counts = memory
+    if sinks is None:
+        sink_s, sink_v = q.new_zeros(B, T, H, 0), q.new_zeros(B, 0, Hkv, D)
+        sink_seen = torch.zeros(B, T, 0, dtype=torch.bool, device=dev)
+    else:
+        sink_s, sink_v, sink_seen = sinks
+    c = lambda x: x.contiguous()  # noqa: E731
+    return WindowAttentionFunction.apply(
+        c(q), c(ks), c(vs), c(mk), c(mv), c(sink_s), c(sink_v), c(qpos), c(spos), c(evict), c(last), c(idx),
+        c(counts), c(sink_seen.to(torch.uint8)), int(P0), int(window), float(scale))
