@@ -3,27 +3,29 @@
 """Operators per layer of one prefill, counted on the CPU: what a GPU, where the window and memory branch is
 launch-bound, pays in kernel launches. Counts every PyTorch operator that runs except views (each runs a kernel on a
 GPU), through the PyTorch path (``AAREN_BACKEND=torch``: no C kernels), once as a CPU runs it and once as a GPU
-does (``modeling_aaren.launch_bound`` answering yes: one prefill piece, one window-attention call, the GPU's sweep
-passes; the scan per op head, which a GPU runs as one Triton call where this counts the chunked PyTorch scan's
-operators). Then one decode step after a --decode-prompt-token prompt, as a GPU runs it, against the teacher's
+does (``modeling_aaren.launch_bound`` answering yes: one prefill piece, the GPU's sweep passes, and, when triton is
+installed, the scan per op head and window attention by their Triton kernels, in Triton's interpreter, each launch
+counted as one operator; without triton, the chunked PyTorch scan and window path). Then one decode step after a --decode-prompt-token prompt, as a GPU runs it, against the teacher's
 (Llama, sdpa, its KV cache): at batch 1 a GPU pays such a step in launches. Deterministic: no timing.
 
     python -P benchmarks/count_ops.py                       # 32K tokens, as a CPU and as a GPU runs them
-    python -P benchmarks/count_ops.py --tokens 4096 --layers 1
+    python -P benchmarks/count_ops.py --tokens 4096 --layers 1 --window pytorch   # window attention as before aa87c5d
 """
 
 import argparse
+import contextlib
 import os
 import sys
 from unittest import mock
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_model  # noqa: E402  (imports aaren_hf before transformers' model code)
 
 import aaren_hf.modeling_aaren as modeling  # noqa: E402
+from aaren_hf.kernels import triton_available  # noqa: E402
 
 VIEWS = {"view", "_unsafe_view", "as_strided", "slice", "select", "unsqueeze", "squeeze", "expand", "permute",
          "transpose", "t", "detach", "alias", "reshape", "split", "split_with_sizes", "unbind", "lift_fresh",
@@ -40,27 +42,69 @@ class CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+COUNTER = [None]  # the CountOps in use, for the Triton kernels' launches
+
+
+def triton_kernels_as_a_gpu_runs_them(window_kernel: bool):
+    """Patches that send the scan (and, with ``window_kernel``, window attention) through their Triton kernels in
+    Triton's interpreter, each launch counted as one operator (the interpreter's own PyTorch calls, which a GPU does
+    not make, uncounted); the operators around them are counted as they run. The C kernels stay off."""
+    import aaren_hf.kernels as kernels
+    from aaren_hf.kernels.aaren import chunk as scan_chunk, fused_recurrent
+    from aaren_hf.kernels.window import chunk as window_chunk
+
+    real = scan_chunk.get_kernel
+
+    def get_kernel(fn, **kwargs):
+        kernel = real(fn, **kwargs)
+
+        def launch(grid):
+            def run(*args, **kw):
+                COUNTER[0].n += 1
+                with _disable_current_modes():
+                    return kernel[grid](*args, **kw)
+            return run
+        return type("Launch", (), {"__getitem__": lambda self, grid: launch(grid)})()
+
+    triton = lambda x: "triton"  # noqa: E731
+    return ([mock.patch.object(kernels, "select_backend", triton), mock.patch.dict(os.environ, TRITON_INTERPRET="1")]
+            + [mock.patch.object(m, "get_kernel", get_kernel) for m in (scan_chunk, fused_recurrent, window_chunk)]
+            + ([mock.patch.object(modeling, "select_backend", triton)] if window_kernel else []))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, default=32768)
     p.add_argument("--layers", type=int, default=2, help="layers of the SmolLM2-135M shape (random weights)")
     p.add_argument("--decode-prompt", type=int, default=1024, help="prompt before the counted decode step (past the "
                    "window and the memory's size, so the step does all its work)")
+    p.add_argument("--window", default="kernel", choices=["kernel", "pytorch"],
+                   help="window attention as a GPU runs it: the Triton kernel (when triton is installed) or the "
+                   "PyTorch path that gathers each block's keys")
     args = p.parse_args(argv)
+    triton = modeling.fused_window_attention is not None and triton_available()
+    kernel = triton and args.window == "kernel"
     teacher, student = bench_model.random_teacher_and_student(args.layers)
     teacher, student = teacher.eval(), student.eval()
     ids = torch.randint(3, teacher.config.vocab_size, (1, args.tokens))
     counts, first = [], None
     with mock.patch.dict(os.environ, AAREN_BACKEND="torch"):  # the C kernels off (each call asks)
         for label, as_gpu in (("as a CPU runs it", False), ("as a GPU runs it", True)):
-            with mock.patch.object(modeling, "launch_bound", lambda device: as_gpu), torch.no_grad():
+            with mock.patch.object(modeling, "launch_bound", lambda device: as_gpu), torch.no_grad(), \
+                    contextlib.ExitStack() as patches:
+                if as_gpu and triton:
+                    for patch in triton_kernels_as_a_gpu_runs_them(kernel):
+                        patches.enter_context(patch)
                 piece = modeling.prefill_piece(1, ids.device)
-                counter = CountOps()
+                counter = COUNTER[0] = CountOps()
                 with counter:
                     logits = student(ids, use_cache=True, logits_to_keep=1).logits
             first = logits if first is None else first
             per_layer, diff = counter.n / args.layers, float((logits - first).abs().max())
             counts.append((per_layer, diff))
+            if as_gpu:
+                label += (", the scan by its Triton kernel" if triton else ", the scan by the chunked PyTorch scan") + \
+                    ", window attention by " + ("its Triton kernel" if kernel else "the PyTorch path")
             print(f"{label} ({piece}-token pieces): {per_layer:,.0f} operators per layer for {args.tokens:,} tokens; "
                   f"logits differ from the first by {diff:.1e}")
         decode = {}

@@ -9,6 +9,7 @@ same in both models). What it cannot see: temporaries freed within the forward, 
 
     python -P benchmarks/saved_memory.py                          # SmolLM2-135M's shape, 1 layer, 1 x 2,048, bf16
     python -P benchmarks/saved_memory.py --tokens 8192 --attention-dtype float32
+    python -P benchmarks/saved_memory.py --window pytorch        # window attention as before aa87c5d
 """
 
 import argparse
@@ -60,6 +61,9 @@ def main(argv=None):
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--attention-dtype", default="model", choices=["model", "float32"],
                    help="window attention as CUDA runs it (the model's dtype) or in float32 (as before 582595d)")
+    p.add_argument("--window", default="kernel", choices=["kernel", "pytorch"],
+                   help="window attention by its Triton kernel, or by the PyTorch path that gathers each block's "
+                   "keys and builds its mask (as before aa87c5d)")
     p.add_argument("--top", type=int, default=12, help="student source lines to list")
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)
@@ -68,12 +72,14 @@ def main(argv=None):
     attend = (lambda q: q.dtype) if args.attention_dtype == "model" else (lambda q: torch.float32)
     # the scan's Triton kernels (interpreted) save what they save on a GPU
     with mock.patch.object(modeling, "launch_bound", lambda device: True), \
-            mock.patch.object(modeling, "_attention_dtype", attend), mock.patch.dict(os.environ, TRITON_INTERPRET="1"):
+            mock.patch.object(modeling, "_attention_dtype", attend), mock.patch.dict(os.environ, TRITON_INTERPRET="1"), \
+            mock.patch.object(modeling, "fused_window_attention",
+                              modeling.fused_window_attention if args.window == "kernel" else None):
         result = {name: saved_by_line(model.to(dtype).train(), ids)
                   for name, model in (("teacher", teacher), ("student", student))}
     mib = {name: per_layer(by_line, args.layers) / 2**20 for name, by_line in result.items()}
-    print(f"kept for backward per layer, {args.batch} x {args.tokens} tokens, {args.dtype}, window attention in "
-          f"{args.attention_dtype}: teacher {mib['teacher']:.1f} MiB, student {mib['student']:.1f} MiB "
+    print(f"kept for backward per layer, {args.batch} x {args.tokens} tokens, {args.dtype}, window attention by "
+          f"{'its Triton kernel' if args.window == 'kernel' else 'the PyTorch path'} in {args.attention_dtype}: teacher {mib['teacher']:.1f} MiB, student {mib['student']:.1f} MiB "
           f"({mib['student'] / mib['teacher']:.2f}x)")
     for where, n in result["student"].most_common(args.top):
         if not any(name in where for name in OUTSIDE_LAYERS):

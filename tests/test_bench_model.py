@@ -114,18 +114,23 @@ def test_bench_model_arguments():
 def test_count_ops_as_a_gpu_runs_it_runs_fewer_operators():
     """benchmarks/count_ops.py: a prompt past one CPU piece and several CPU sweep passes (the default mixer's memory
     ranks 448 of the tokens that left its 64-token window) runs fewer operators as a GPU runs it (one piece, one
-    window-attention call, larger sweep passes), with the same logits to float rounding; a decode step runs more
-    operators than the teacher's; ``launch_bound`` and the C kernels' switch are left as they were."""
+    window-attention call, larger sweep passes; fewer still with the window kernel than with the PyTorch window path),
+    with the same logits to float rounding; a decode step runs more operators than the teacher's; ``launch_bound``
+    and the C kernels' switch are left as they were."""
     import os
 
     load_bench()
     count_ops = importlib.import_module("count_ops")
     from aaren_hf import modeling_aaren
+    from aaren_hf.kernels import triton_available
 
     before = modeling_aaren.launch_bound, os.environ.get("AAREN_BACKEND")
     counts = count_ops.main(["--tokens", "4000", "--layers", "1", "--decode-prompt", "600"])
     (cpu, _), (gpu, diff_gpu) = counts["prefill"]
     assert cpu > 2 * gpu > 0
+    if modeling_aaren.fused_window_attention is not None and triton_available():  # the kernel: fewer operators
+        gathered = count_ops.main(["--tokens", "4000", "--layers", "1", "--decode-prompt", "600", "--window", "pytorch"])
+        assert gathered["prefill"][1][0] > gpu + 20
     assert diff_gpu < 1e-4
     assert counts["decode"]["student"] > counts["decode"]["teacher"] > 0
     assert (modeling_aaren.launch_bound, os.environ.get("AAREN_BACKEND")) == before
@@ -133,9 +138,9 @@ def test_count_ops_as_a_gpu_runs_it_runs_fewer_operators():
 
 def test_saved_memory_counts_what_16_bit_window_attention_saves():
     """benchmarks/saved_memory.py: the bytes a training forward keeps for backward, per layer, as a GPU runs the
-    student. Window attention in the model's 16-bit dtype keeps less than in float32 (the gathered keys and values,
-    the mask), the teacher's count is the same in both runs, and ``launch_bound``, ``_attention_dtype`` and the
-    interpreter switch are left as they were."""
+    student. Window attention in the model's 16-bit dtype keeps less than in float32, and its Triton kernel less
+    than the PyTorch path (the gathered keys and values, the mask); the teacher's count is the same in every run;
+    ``launch_bound``, ``_attention_dtype`` and the interpreter switch are left as they were."""
     import os
 
     pytest.importorskip("triton")
@@ -148,4 +153,8 @@ def test_saved_memory_counts_what_16_bit_window_attention_saves():
             for dtype in ("model", "float32")}
     assert runs["model"]["teacher"] == runs["float32"]["teacher"] > 0
     assert runs["model"]["teacher"] < runs["model"]["student"] < runs["float32"]["student"]
+    # the window kernel keeps its inputs, output and log-sum-exp, not each block's gathered keys and its mask
+    gathered = saved_memory.main(["--tokens", "160", "--window", "pytorch"])[0]
+    assert gathered["teacher"] == runs["model"]["teacher"]
+    assert runs["model"]["student"] < gathered["student"] - 0.5
     assert (modeling_aaren.launch_bound, modeling_aaren._attention_dtype, os.environ.get("TRITON_INTERPRET")) == before

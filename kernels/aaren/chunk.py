@@ -56,17 +56,18 @@ _MAX = tl.standard._elementwise_max
 _KERNELS = {}
 
 
-def get_kernel(fn, key=("C", "BD"), warps=(4, 8)):
+def get_kernel(fn, key=("C", "BD"), warps=(4, 8), stages=(1, 2)):
     """Wrap a raw kernel function for the current mode (triton.jit reads TRITON_INTERPRET when it wraps, so wrap
     at launch time, not import time: tests switch the interpreter on after other modules imported this one).
-    Interpreter: one config (multi-config autotune fails there); GPU: a small autotune over warps and stages."""
+    Interpreter: one config (multi-config autotune fails there); GPU: a small autotune over warps and stages (one
+    warps and one stages value: no autotune, as a kernel that adds into its outputs needs)."""
     interp = _interpreting()
     k = _KERNELS.get((fn, interp))
     if k is None:
         if interp:
             configs = [triton.Config({}, num_warps=4, num_stages=1)]
         else:
-            configs = [triton.Config({}, num_warps=w, num_stages=st) for w in warps for st in (1, 2)]
+            configs = [triton.Config({}, num_warps=w, num_stages=st) for w in warps for st in stages]
         k = _KERNELS[(fn, interp)] = triton.autotune(configs=configs, key=list(key))(triton.jit(fn))
     return k
 
