@@ -289,6 +289,34 @@ def rotate_by(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     return rotated if rot == x.shape[-1] else torch.cat([rotated, xp], -1)
 
 
+class _Float32Product(torch.autograd.Function):
+    """a @ b computed in float32 from 16-bit a and b, which backward keeps as they are: half the bytes of float32
+    copies, and often a tensor kept anyway."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return torch.matmul(a.float(), b.float())
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        da = db = None
+        if ctx.needs_input_grad[0]:
+            da = torch.matmul(grad, b.float().transpose(-1, -2)).sum_to_size(a.shape).to(a.dtype)
+        if ctx.needs_input_grad[1]:
+            db = torch.matmul(a.float().transpose(-1, -2), grad).sum_to_size(b.shape).to(b.dtype)
+        return da, db
+
+
+def float32_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch.matmul(a.float(), b.float()), but training keeps 16-bit inputs in 16 bits for backward, not their float32
+    copies (scores whose softmax needs float32: the slots' mix, the slot scores)."""
+    if a.element_size() >= 4 and b.element_size() >= 4 or not torch.is_grad_enabled():
+        return torch.matmul(a.float(), b.float())
+    return _Float32Product.apply(a, b)
+
+
 def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sink_pos, window, inv_freq, scale,
                      memory=None):
     """Exact softmax attention of each token over the last ``window`` tokens, plus sink tokens outside the window.
@@ -925,7 +953,7 @@ class AarenMixer(nn.Module):
             g = self.log_decay_per_token(x).masked_fill(~mask.unsqueeze(-1), 0.0)
         mix = None  # [B, T, H, J]: how much each query head reads of its slots
         if J > 1:
-            mix = torch.matmul(q.float().transpose(1, 2), self.queries.float().transpose(1, 2)).transpose(1, 2)
+            mix = float32_product(q.transpose(1, 2), self.queries.transpose(1, 2)).transpose(1, 2)
             mix = torch.softmax(mix * self.scale, -1)
         if not per_op_head and not decoding_on_cpu:
             # slots mixed, each kv head's values read once for its query heads: without gradients token after token
@@ -962,7 +990,7 @@ class AarenMixer(nn.Module):
         query head in its group, slot), so query head h reads kv head h // G."""
         B, T, Hkv, D = k.shape
         c = self.queries.view(Hkv, -1, D)
-        s = torch.matmul(k.float().transpose(1, 2), c.float().transpose(1, 2))  # [B, Hkv, T, G * J]
+        s = float32_product(k.transpose(1, 2), c.transpose(1, 2))  # [B, Hkv, T, G * J]
         return s.transpose(1, 2).reshape(B, T, -1) * self.scale
 
     def retention_score(self, x, aaren_scores):

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # One prepared pass on a CUDA machine: the GPU-only tests (compiled Triton kernels against float64 and the PyTorch
 # path; the model on CUDA against float64 and its own decode), then the whole model against its teacher
-# (bench_model.py: prefill, generate and train steps at the shapes of issue 12, bf16), then the kernel benchmark at
-# B=1 and at a batch that fills the GPU. Runs from a checkout with whatever torch/triton the machine has: the
-# checkout is installed (no dependencies) into a folder of its own under LOG_DIR, and Python runs as with -P
-# (PYTHONSAFEPATH), so the repository root is never on sys.path and its kernels/ folder cannot pose as the `kernels`
-# package (docs/layout.md).
+# (bench_model.py: prefill, generate and train steps at the shapes of issue 12, bf16), then the window attention
+# kernel against the path it replaced (bench_window.py) and the scan's kernel benchmark at B=1. Runs from a
+# checkout with whatever torch/triton the machine has: the checkout is installed (no dependencies) into a folder of
+# its own under LOG_DIR, and Python runs as with -P (PYTHONSAFEPATH), so the repository root is never on sys.path
+# and its kernels/ folder cannot pose as the `kernels` package (docs/layout.md).
 #
 #     bash benchmarks/gpu_check.sh [LOG_DIR]        # logs + bench JSON in LOG_DIR (default /tmp/aaren_gpu_check)
 #
@@ -32,7 +32,7 @@ python3 -c "import torch, triton, transformers, aaren_hf.kernels as k
 print('torch', torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__,
       '|', torch.cuda.get_device_name(), '| backend for CUDA tensors:', k.select_backend(torch.zeros(1, device='cuda')))"
 
-# Budgeted to end inside one 10-minute call (the timeouts below add up to 530 s after the install), in order of
+# Budgeted to end inside one 10-minute call (the timeouts below add up to 540 s after the install), in order of
 # what matters most: correctness, then the whole model (prefill and generate, then train steps), then the scan.
 status=0
 timeout 120 python3 -m pytest -q -p no:cacheprovider -m requires_gpu -rA tests/test_kernels.py tests/test_model.py \
@@ -50,9 +50,10 @@ timeout 40 python3 benchmarks/bench_model.py --device cuda --models aaren --prom
 timeout 100 python3 benchmarks/bench_model.py --device cuda --prompts none --generate none --repeats 2 --profile \
   --json "$LOG/bench_model_train.json" 2>&1 | tee "$LOG/bench_model_train.log" | grep -v "^\["
 
+# the window branch's attention: its Triton kernel against the gather + SDPA path it replaced, in one run
+timeout 40 python3 benchmarks/bench_window.py --min-time 0.2 --json "$LOG/bench_window.json" 2>&1 \
+  | tee "$LOG/bench_window.log"
 timeout 40 python3 benchmarks/bench_kernels.py --seqlens 2048 16384 65536 --min-time 0.2 --decode-batches 1 64 \
   --json "$LOG/bench_b1.json" 2>&1 | tee "$LOG/bench_b1.log"
-timeout 30 python3 benchmarks/bench_kernels.py --batch 8 --seqlens 8192 --decay --min-time 0.2 --decode-batches 64 \
-  --json "$LOG/bench_b8_decay.json" 2>&1 | tee "$LOG/bench_b8_decay.log" | tail -10
 echo "gpu_check: tests $([ $status = 0 ] && echo passed || echo FAILED)"
 exit $status

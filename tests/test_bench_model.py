@@ -158,3 +158,17 @@ def test_saved_memory_counts_what_16_bit_window_attention_saves():
     assert gathered["teacher"] == runs["model"]["teacher"]
     assert runs["model"]["student"] < gathered["student"] - 0.5
     assert (modeling_aaren.launch_bound, modeling_aaren._attention_dtype, os.environ.get("TRITON_INTERPRET")) == before
+
+
+def test_bench_window_times_both_paths_and_checks_they_agree(monkeypatch):
+    """benchmarks/bench_window.py on the CPU: the PyTorch path alone, then, with Triton's interpreter, the kernel
+    too, whose output the script checks against the PyTorch path's (two rows, several blocks, a memory)."""
+    pytest.importorskip("triton")
+    load_bench()
+    bench_window = importlib.import_module("bench_window")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    rows = bench_window.main(["--device", "cpu", "--shapes", "1x130", "--min-time", "0"])
+    assert rows[0]["pytorch"]["forward_s"] > 0 and "kernel" not in rows[0]
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    rows = bench_window.main(["--device", "cpu", "--shapes", "2x150", "--min-time", "0"])
+    assert rows[0]["kernel"]["forward_backward_s"] > 0 and rows[0]["B"] == 2

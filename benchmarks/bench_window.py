@@ -1,0 +1,114 @@
+# Copyright 2026 The aaren-hf authors. Apache-2.0.
+"""The window branch's attention (window, memory and sinks) by its Triton kernel against the PyTorch path it replaces
+on a GPU (each block of queries gathers its keys and values and its mask, then one SDPA call), in one run: forward,
+forward + backward, and the peak memory each adds, at SmolLM2-135M's attention shape (9 query heads, 3 kv heads, head
+size 64) and the default mixer's window (64), sink (1) and memory (448, ranked by random retention scores). Inputs
+come from the model's own functions (``memory_visibility`` for the memory, ``window_attention`` for both paths).
+
+    python -P benchmarks/bench_window.py                          # CUDA: bf16, 8 x 2K, 2 x 8K, 1 x 32K
+    python -P benchmarks/bench_window.py --device cpu --shapes 1x512 --min-time 0   # the PyTorch path only
+    TRITON_INTERPRET=1 python -P benchmarks/bench_window.py --device cpu --shapes 1x300 --min-time 0   # both, slowly
+"""
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_kernels import fmt_r, fmt_t, print_table, timeit  # noqa: E402
+
+import aaren_hf.modeling_aaren as modeling  # noqa: E402
+
+
+def inputs(B, T, H=9, Hkv=3, D=64, W=64, S=1, M=448, device="cuda", dtype=torch.bfloat16, seed=0):
+    """(args, kwargs) of ``window_attention`` for the first call of a prompt of T tokens: queries, keys (rotated),
+    values, positions, no earlier window entries, S sinks among the first tokens, and the memory's candidates (this
+    call's tokens) with what each query sees of them."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    rnd = lambda *shape: torch.randn(*shape, device=device, dtype=dtype, generator=gen)  # noqa: E731
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, D, 2, device=device).float() / D))
+    pos = torch.arange(T, device=device).expand(B, T).contiguous()
+    q, k, v = rnd(B, T, H, D), rnd(B, T, Hkv, D), rnd(B, T, Hkv, D)
+    k = modeling.rotate(k, pos, inv_freq)
+    cand_pos = pos.unsqueeze(1).expand(B, Hkv, T).contiguous()
+    score = modeling.round_retention(torch.randn(B, Hkv, T, device=device, generator=gen))
+    last, evict = modeling.memory_visibility(cand_pos, score, 0, W, S, M, T)
+    memory = (k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous(), evict, last)
+    empty = k.new_zeros(B, 0, Hkv, D)
+    sinks = (k[:, :S].contiguous(), v[:, :S].contiguous(), pos[:, :S].contiguous())
+    return (q, k, v, pos, empty, empty, pos[:, :0], *sinks, W, inv_freq, D ** -0.5, memory)
+
+
+def run(args_, grad):
+    """window_attention's output (forward) or its gradients with respect to q, k and v (forward + backward)."""
+    q, k, v = args_[:3]
+    out = modeling.window_attention(*args_)
+    return out if grad is None else torch.autograd.grad(out, (q, k, v), grad)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
+                   help="default: bfloat16 on CUDA, float32 on a CPU")
+    p.add_argument("--shapes", default="8x2048,2x8192,1x32768", help="B x T, comma-separated")
+    p.add_argument("--min-time", type=float, default=0.3, help="seconds of repeats per measurement")
+    p.add_argument("--json", default=None, metavar="PATH")
+    args = p.parse_args(argv)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
+    kernel = modeling.fused_window_attention
+    # both paths as a GPU runs them (one attention call for all blocks); the kernel where window_attention takes it,
+    # a backend of Triton: CUDA tensors, or a CPU's with TRITON_INTERPRET=1 (Triton's interpreter: slow, a check)
+    paths = {"pytorch": None}
+    if kernel is not None and modeling.select_backend(torch.zeros(1, device=args.device)) == "triton":
+        paths["kernel"] = kernel
+    rows, results = [], []
+    for shape in args.shapes.split(","):
+        B, T = (int(x) for x in shape.lower().split("x"))
+        args_ = inputs(B, T, device=args.device, dtype=dtype)
+        for a in args_[:3]:
+            a.requires_grad_(True)
+        grad = torch.randn(B, T, 9, 64, device=args.device, dtype=dtype)
+        measured = {}
+        for name, fn in paths.items():
+            with mock.patch.object(modeling, "fused_window_attention", fn), \
+                    mock.patch.object(modeling, "launch_bound", lambda device: True):
+                fwd = timeit(lambda: run(args_, None).detach(), args.device, args.min_time)
+                both = timeit(lambda: run(args_, grad), args.device, args.min_time)
+                peak = None
+                if args.device == "cuda":
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                    base = torch.cuda.memory_allocated()
+                    run(args_, grad)
+                    torch.cuda.synchronize()
+                    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+            measured[name] = dict(forward_s=fwd, forward_backward_s=both, peak_mib=peak)
+        if "kernel" in measured:  # the same attention, to the dtype's rounding
+            with mock.patch.object(modeling, "launch_bound", lambda device: True):
+                want = mock.patch.object(modeling, "fused_window_attention", None)(run)(args_, None)
+                torch.testing.assert_close(run(args_, None), want, atol=3e-2, rtol=3e-2)
+        results.append(dict(B=B, T=T, dtype=str(dtype), **measured))
+        ref, new = measured["pytorch"], measured.get("kernel")
+        rows.append([f"{B} x {T}", fmt_t(ref["forward_s"]), fmt_t(new and new["forward_s"]),
+                     fmt_r(new and ref["forward_s"] / new["forward_s"]), fmt_t(ref["forward_backward_s"]),
+                     fmt_t(new and new["forward_backward_s"]),
+                     fmt_r(new and ref["forward_backward_s"] / new["forward_backward_s"]),
+                     "-" if ref["peak_mib"] is None else f"{ref['peak_mib']:.0f} MiB",
+                     "-" if not new or new["peak_mib"] is None else f"{new['peak_mib']:.0f} MiB"])
+    print(f"window attention, {args.device}, {dtype}: H=9, Hkv=3, D=64, window 64, 1 sink, memory 448; "
+          "pytorch = gather + SDPA, kernel = kernels/window/chunk.py; ratios = pytorch time / kernel time")
+    print_table(["B x T", "pytorch fwd", "kernel fwd", "speed-up", "pytorch fwd+bwd", "kernel fwd+bwd", "speed-up",
+                 "pytorch peak", "kernel peak"], rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return results
+
+
+if __name__ == "__main__":
+    main()
