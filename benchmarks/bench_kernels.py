@@ -171,7 +171,7 @@ def device_peak(args):
 
 
 def bench_cuda(args, results, dev="cuda"):
-    from aaren_hf.kernels.aaren.chunk import chunk_aaren_triton
+    from aaren_hf.kernels.aaren.chunk import ChunkAarenFunction, chunk_aaren_triton, num_segments
     from aaren_hf.kernels.aaren.fused_recurrent import fused_recurrent_aaren_triton
 
     B, H, D, C = args.batch, args.heads or 16, args.head_dim or 128, args.chunk_size
@@ -196,6 +196,8 @@ def bench_cuda(args, results, dev="cuda"):
         aaren_in = [x for x in (s, v, g) if x is not None]
         cases = [  # name, call, differentiable inputs, output gradient
             ("triton", lambda: chunk_aaren_triton(s, v, g, chunk_size=C)[0], aaren_in, do),
+            # the kernel without the split into pieces (chunk_aaren_triton splits where num_segments says so)
+            ("one pass", lambda: ChunkAarenFunction.apply(s, v, g, None, None, None, C)[0], aaren_in, do),
             ("torch", lambda: chunk_aaren_torch(s, v, g, chunk_size=C)[0], aaren_in, do),
             ("sdpa", lambda: sdpa(q, k, vt), [q, k, vt], do.transpose(1, 2)),
         ]
@@ -216,6 +218,7 @@ def bench_cuda(args, results, dev="cuda"):
             nflop = flop_fwd if mode == "fwd" else flop_fwd + flop_bwd
             aflop = flop_attn if mode == "fwd" else 3.5 * flop_attn
             r = dict(device=name, mode=mode, T=T, B=B, H=H, D=D, triton_s=tt, torch_s=times["torch"],
+                     one_pass_s=times["one pass"], pieces=num_segments(B, T, H, C, v.device),
                      sdpa_s=times["sdpa"], triton_gbs=nbytes / tt / 1e9 if tt else None,
                      triton_tflops=nflop / tt / 1e12 if tt else None,
                      sdpa_tflops=aflop / times["sdpa"] / 1e12 if times["sdpa"] else None)
@@ -223,7 +226,8 @@ def bench_cuda(args, results, dev="cuda"):
             r["sdpa_pct_peak"] = 100 * r["sdpa_tflops"] / peak_tf if peak_tf and r["sdpa_tflops"] else None
             results["cuda"].append(r)
             ratio = lambda x: None if x is None or tt is None else x / tt  # noqa: E731
-            rows.append([T, mode, fmt_t(tt), fmt_t(times["torch"]), fmt_t(times["sdpa"]), fmt_r(ratio(times["torch"])),
+            rows.append([T, mode, fmt_t(tt), r["pieces"], fmt_r(ratio(times["one pass"])), fmt_t(times["torch"]),
+                         fmt_t(times["sdpa"]), fmt_r(ratio(times["torch"])),
                          fmt_r(ratio(times["sdpa"])),
                          "-" if tt is None else f"{r['triton_gbs']:.0f} ({r['triton_pct_bw'] or 0:.0f}%)",
                          "-" if tt is None else f"{r['triton_tflops']:.1f}",
@@ -232,8 +236,8 @@ def bench_cuda(args, results, dev="cuda"):
             del times
         del s, v, g, q, k, vt, do
         torch.cuda.empty_cache()
-    print_table(["T", "pass", "triton", "torch chunked", "SDPA (flash)", "torch/triton", "SDPA/triton",
-                 "triton GB/s (%peak)", "triton TFLOP/s", "SDPA TFLOP/s (%peak)"], rows)
+    print_table(["T", "pass", "triton", "pieces", "one pass/triton", "torch chunked", "SDPA (flash)", "torch/triton",
+                 "SDPA/triton", "triton GB/s (%peak)", "triton TFLOP/s", "SDPA TFLOP/s (%peak)"], rows)
     print("torch chunked skipped above T=64K; 128K is forward only")
 
     # Decode: one token per sequence, state carried (constant memory), vs the PyTorch step.

@@ -229,6 +229,43 @@ def test_values_shared_by_groups_of_op_heads(impl):
     compare(res, ref, 1e-9 if impl in ("torch", "recurrent") else 1e-4, v, impl)
 
 
+@needs_triton
+@pytest.mark.parametrize("decay,h0,mask", [(False, False, 0.0), (True, True, 0.1), (True, False, 0.3)])
+def test_per_token_lse_and_its_gradient(decay, h0, mask):
+    """The Triton op's per-token lse (the split hands its summary scan's on as carries) and the gradients that flow
+    back through it (the backward takes delta_t - dlse_t, and dg the suffix sums of dlse) against the PyTorch
+    scan's per-token states, in float64: masked tokens, empty leading rows (lse = -inf, no gradient), decay, an
+    initial state."""
+    from aaren_hf.aaren_scan import empty_state, scan_states
+    from aaren_hf.kernels.aaren.chunk import ChunkAarenFunction
+
+    B, T, H, D = 2, 150, 3, 20
+    s, v, g, state, (do, _, _) = make_inputs(B, T, H, D, 3.0, "random", decay, h0, mask)
+    glse = torch.randn(B, T, H, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    results = []
+    for impl in ("triton", "reference"):
+        leaves = [x.detach().clone().requires_grad_() for x in (s, v, g) + (state or ()) if x is not None]
+        it = iter(leaves)
+        s_, v_, g_ = next(it), next(it), next(it) if g is not None else None
+        st = (next(it), next(it)) if state is not None else None
+        if impl == "triton":
+            o, lse, _, _ = ChunkAarenFunction.apply(s_, v_, g_, *(st or (None, None)), None, 32)
+        else:
+            init = st or tuple(x.double() for x in empty_state(B, H, D))
+            o, lse = scan_states(s_.transpose(1, 2), v_.transpose(1, 2), None if g_ is None else g_.transpose(1, 2),
+                                 *init, 16)
+            o, lse = o.transpose(1, 2), lse.transpose(1, 2)
+        loss = (o * do).sum() + torch.where(torch.isfinite(lse), lse, 0.0).mul(glse).sum()
+        results.append([o, lse] + list(torch.autograd.grad(loss, leaves)))
+    assert torch.isinf(results[1][1]).any() == (not h0 and mask > 0.2)  # empty leading rows where meant
+    names = ["o", "lse", "ds", "dv"] + ["dg"] * decay + ["dh0_o", "dh0_lse"] * h0
+    for name, got, want in zip(names, *results, strict=True):
+        fin = torch.isfinite(want)
+        assert torch.equal(fin, torch.isfinite(got)), name
+        # the kernels compute in float32
+        assert (got[fin] - want[fin]).abs().max() <= 1e-5 * (1 + want[fin].abs().max()), name
+
+
 @pytest.mark.parametrize("impl", ["triton", "torch"])
 def test_shift_invariance(impl):
     """Without decay or initial state, and with no gradient on the final lse, sum_i ds_i = 0 per sequence."""
@@ -427,8 +464,8 @@ common = dict(cu_seqlens="*i64", chunk_offsets="*i64", T="i32", s=B, v=B, g=B, l
               ht_lse=P, cs_o=P, cs_lse=P)
 c = dict(H=8, GV=2, D=100, BD=128, C=64, HAS_G=True, HAS_H0=True, IS_VARLEN=True, DOT_PREC="tf32")
 aot(chunk._aaren_chunk_fwd_kernel, dict(common, o=B), dict(c, SAVE_CS=True))
-aot(chunk._aaren_chunk_bwd_kernel, dict(common, do=B, dht_o=P, dht_lse=P, ds=B, dv=B, dg=B, dh0_o=P, dh0_lse=P),
-    dict(c, HAS_DHT=True))
+aot(chunk._aaren_chunk_bwd_kernel, dict(common, do=B, dlse=P, dht_o=P, dht_lse=P, ds=B, dv=B, dg=B, dh0_o=P,
+                                         dh0_lse=P), dict(c, HAS_DHT=True, HAS_DLSE=True))
 aot(fused_recurrent._aaren_fused_recurrent_fwd_kernel, dict(common, o=B),
     dict(H=8, GV=2, D=100, BD=128, HAS_G=True, HAS_H0=True, IS_VARLEN=True))
 I = "*i64"

@@ -144,12 +144,12 @@ def _aaren_chunk_fwd_kernel(
 
 
 def _aaren_chunk_bwd_kernel(
-    s, v, g, do, lse, cs_o, cs_lse, h0_o, ht_o, ht_lse, dht_o, dht_lse,
+    s, v, g, do, dlse, lse, cs_o, cs_lse, h0_o, ht_o, ht_lse, dht_o, dht_lse,
     ds, dv, dg, dh0_o, dh0_lse, cu_seqlens, chunk_offsets,
     T,
     H: tl.constexpr, GV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, C: tl.constexpr,
-    HAS_G: tl.constexpr, HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    HAS_G: tl.constexpr, HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr, HAS_DLSE: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     i_n = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -218,15 +218,21 @@ def _aaren_chunk_bwd_kernel(
         b_do = tl.load(do + off[:, None] * D + cols[None, :], mask=m_td, other=0).to(tl.float32)
         DV = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PREC)  # <dO_t, v_i>
         delta = tl.reduce(P * DV, 1, _ADD) + P0 * tl.reduce(b_do * o_in[None, :], 1, _ADD)  # <dO_t, o_t>
+        if HAS_DLSE:  # a row's lse moves with each of its logits by its weight: delta_t - dlse_t in place of delta_t
+            b_dl = tl.where(row_ok, tl.load(dlse + off, mask=m_t, other=0).to(tl.float32), 0.0)
+            delta = delta - b_dl
         dl = P * (DV - delta[:, None])
         b_ds = tl.reduce(dl, 0, _ADD) + W * (tl.reduce(b_v * R[None, :], 1, _ADD) - rho)
         b_dv = tl.dot(tl.trans(P), b_do, input_precision=DOT_PREC) + W[:, None] * R[None, :]
         tl.store(ds + off, b_ds.to(ds.dtype.element_ty), mask=m_t)
         tl.store(dv + off[:, None] * D + cols[None, :], b_dv.to(dv.dtype.element_ty), mask=m_td)
+        b_dlg = b_ds
+        if HAS_DLSE:  # dg_k also gathers the lse gradients of the rows t >= k
+            b_dlg = b_ds - b_dl
         if HAS_G:
-            b_dg = dg_acc - tl.associative_scan(b_ds, 0, _ADD, reverse=True)
+            b_dg = dg_acc - tl.associative_scan(b_dlg, 0, _ADD, reverse=True)
             tl.store(dg + off, b_dg.to(dg.dtype.element_ty), mask=m_t)
-        dg_acc = dg_acc - tl.reduce(b_ds, 0, _ADD)
+        dg_acc = dg_acc - tl.reduce(b_dlg, 0, _ADD)
         R = tl.reduce(P0[:, None] * b_do, 0, _ADD) + W0 * R
         rho = tl.reduce(P0 * delta, 0, _ADD) + W0 * rho
 
@@ -258,8 +264,11 @@ def check_inputs(s, v, g, initial_state, cu_seqlens):
     return B, T, H, D, n_seq, H // max(Hv, 1)
 
 
-def _layout(T, C, cu_seqlens, n_seq):
-    """Chunk offsets of each sequence (varlen) and the total number of chunks."""
+def _layout(T, C, cu_seqlens, n_seq, known=None):
+    """Chunk offsets of each sequence (varlen) and the total number of chunks; ``known``: both, from a caller that
+    built cu_seqlens itself (reading them off cu_seqlens waits for the device)."""
+    if known is not None:
+        return known
     if cu_seqlens is None:
         return None, n_seq * triton.cdiv(T, C)
     cu = cu_seqlens.to(torch.int64)
@@ -283,13 +292,13 @@ def _block_d(D):
     return max(16, triton.next_power_of_2(D))
 
 
-def chunk_fwd(s, v, g, h0, cu_seqlens, chunk_size, save_cs):
+def chunk_fwd(s, v, g, h0, cu_seqlens, chunk_size, save_cs, layout=None):
     """Returns o, lse per token, final state (o, lse) and the chunk-start states (or None)."""
     B, T, H, D, n_seq, GV = check_inputs(s, v, g, h0, cu_seqlens)
     C = chunk_size
     if C < 16 or C & (C - 1):
         raise ValueError(f"chunk_size must be a power of two >= 16, got {C}")
-    offsets, n_chunks = _layout(T, C, cu_seqlens, n_seq)
+    offsets, n_chunks = _layout(T, C, cu_seqlens, n_seq, layout)
     dev = v.device
     o = v.new_empty(B, T, H, D)
     lse = torch.empty(B, T, H, dtype=torch.float32, device=dev)
@@ -309,9 +318,9 @@ def chunk_fwd(s, v, g, h0, cu_seqlens, chunk_size, save_cs):
     return o, lse, (ht_o, ht_lse), ((cs_o, cs_lse) if save_cs else None)
 
 
-def chunk_bwd(s, v, g, h0, lse, cs, ht, do, dht, cu_seqlens, chunk_size):
+def chunk_bwd(s, v, g, h0, lse, cs, ht, do, dht, cu_seqlens, chunk_size, dlse=None, layout=None):
     B, T, H, D, n_seq, GV = check_inputs(s, v, g, h0, cu_seqlens)
-    offsets, _ = _layout(T, chunk_size, cu_seqlens, n_seq)
+    offsets, _ = _layout(T, chunk_size, cu_seqlens, n_seq, layout)
     if do is None:
         do = v.new_zeros(B, T, H, D)
     has_dht = dht is not None and (dht[0] is not None or dht[1] is not None)
@@ -328,15 +337,16 @@ def chunk_bwd(s, v, g, h0, lse, cs, ht, do, dht, cu_seqlens, chunk_size):
     dh0 = (torch.empty_like(h0[0]), torch.empty_like(h0[1])) if h0 is not None else None
     # The backward holds more tiles (V, dO, dV; P, dO V^T): more warps keep it in registers (ptxas, sm90, D=128).
     get_kernel(_aaren_chunk_bwd_kernel, warps=(8, 16))[(n_seq, H)](
-        s, v, g if g is not None else s, do.contiguous(), lse, cs[0], cs[1],
+        s, v, g if g is not None else s, do.contiguous(), dlse.contiguous() if dlse is not None else lse, lse,
+        cs[0], cs[1],
         h0[0] if h0 is not None else lse, ht[0], ht[1],
         dht[0] if has_dht else lse, dht[1] if has_dht else lse,
         ds, dv, dg if dg is not None else ds,
         dh0[0] if dh0 is not None else ds, dh0[1] if dh0 is not None else ds,
         cu_seqlens if cu_seqlens is not None else lse, offsets if offsets is not None else lse,
         T, H=H, GV=GV, D=D, BD=_block_d(D), C=chunk_size,
-        HAS_G=g is not None, HAS_H0=h0 is not None, HAS_DHT=has_dht, IS_VARLEN=cu_seqlens is not None,
-        DOT_PREC=_dot_precision(v),
+        HAS_G=g is not None, HAS_H0=h0 is not None, HAS_DHT=has_dht, HAS_DLSE=dlse is not None,
+        IS_VARLEN=cu_seqlens is not None, DOT_PREC=_dot_precision(v),
     )
     if GV > 1:
         dv = dv.view(B, T, H // GV, GV, D).sum(3).to(v.dtype)
@@ -345,24 +355,25 @@ def chunk_bwd(s, v, g, h0, lse, cs, ht, do, dht, cu_seqlens, chunk_size):
 
 class ChunkAarenFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, s, v, g, h0_o, h0_lse, cu_seqlens, chunk_size):
+    def forward(ctx, s, v, g, h0_o, h0_lse, cu_seqlens, chunk_size, layout=None):
         h0 = (h0_o, h0_lse) if h0_o is not None else None
         save = any(ctx.needs_input_grad[:5])
-        o, lse, ht, cs = chunk_fwd(s, v, g, h0, cu_seqlens, chunk_size, save_cs=save)
+        o, lse, ht, cs = chunk_fwd(s, v, g, h0, cu_seqlens, chunk_size, save_cs=save, layout=layout)
         if save:
             ctx.save_for_backward(s, v, g, h0_o, h0_lse, lse, cs[0], cs[1], ht[0], ht[1], cu_seqlens)
-            ctx.chunk_size = chunk_size
+            ctx.chunk_size, ctx.layout = chunk_size, layout
         ctx.set_materialize_grads(False)
-        return o, ht[0], ht[1]
+        return o, lse, ht[0], ht[1]
 
     @staticmethod
-    def backward(ctx, do, dht_o, dht_lse):
+    def backward(ctx, do, dlse, dht_o, dht_lse):
         s, v, g, h0_o, h0_lse, lse, cs_o, cs_lse, ht_o, ht_lse, cu_seqlens = ctx.saved_tensors
         h0 = (h0_o, h0_lse) if h0_o is not None else None
         ds, dv, dg, dh0 = chunk_bwd(
-            s, v, g, h0, lse, (cs_o, cs_lse), (ht_o, ht_lse), do, (dht_o, dht_lse), cu_seqlens, ctx.chunk_size
+            s, v, g, h0, lse, (cs_o, cs_lse), (ht_o, ht_lse), do, (dht_o, dht_lse), cu_seqlens, ctx.chunk_size,
+            dlse, ctx.layout,
         )
-        return ds, dv, dg, dh0[0] if dh0 else None, dh0[1] if dh0 else None, None, None
+        return ds, dv, dg, dh0[0] if dh0 else None, dh0[1] if dh0 else None, None, None, None
 
 
 def prepare(s, v, g, initial_state):
@@ -385,16 +396,19 @@ def chunk_aaren_triton(
     segments = 1 if cu_seqlens is not None else num_segments(*s.shape, chunk_size, v.device)
     if segments > 1:
         return split_chunk_aaren(s, v, g, initial_state, output_final_state, chunk_size, segments)
-    o, ht_o, ht_lse = ChunkAarenFunction.apply(s, v, g, h0_o, h0_lse, cu_seqlens, chunk_size)
+    o, _, ht_o, ht_lse = ChunkAarenFunction.apply(s, v, g, h0_o, h0_lse, cu_seqlens, chunk_size)
     return o, ((ht_o, ht_lse) if output_final_state else None)
 
 
-def num_segments(B, T, H, C, device, min_chunks=512, piece_chunks=32):
+def num_segments(B, T, H, C, device, min_chunks=128, piece_chunks=16):
     """How many pieces to cut each sequence into so that (sequences x pieces x heads) programs fill the GPU: one
     program per (sequence, head) walks its T / C chunks one after another, so with B * H below the number of SMs
-    most of the chip idles. The split costs a second pass and ~2 ms of launches and small ops (measured on an H200,
-    where it made B=1 H=16 D=128 T=64K 1.9x faster but T=4K-16K and B=8 slower), hence only sequences of at least
-    ``min_chunks`` chunks, pieces of at least ``piece_chunks`` chunks, and at least 4 pieces."""
+    most of the chip idles. The split costs a second pass, the summaries' scan (a third launch of this kernel) and a
+    few small operators. Its first version, whose summary scan was tens of PyTorch operators and whose layout read
+    values back from the device, made B=1 H=16 D=128 T=64K 1.9x faster on an H200 but 4K-16K slower, and ran from
+    512 chunks on; this one runs from ``min_chunks`` chunks (8K tokens at C = 64), in pieces of at least
+    ``piece_chunks`` chunks, at least 4 of them (expected to pay there; not yet measured on a GPU:
+    ``bench_kernels.py`` prints it beside the kernel without the split)."""
     if device.type != "cuda" or T < min_chunks * C:
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -404,33 +418,36 @@ def num_segments(B, T, H, C, device, min_chunks=512, piece_chunks=32):
 
 def split_chunk_aaren(s, v, g, initial_state, output_final_state, chunk_size, segments):
     """The same scan with each sequence cut into ``segments`` pieces that run in parallel (packed as varlen):
-    pass 1 gives each piece's own final state, the carry into every piece is the scan of those summaries (each
-    piece acts as one token whose score is its lse, whose value is its o, and whose decay is its total log-decay),
-    and pass 2 reruns the pieces from their carries. Twice the work, ``segments`` times the parallelism; autograd
-    runs both passes' Triton backwards."""
-    from aaren_hf.aaren_scan import empty_state, scan_states
-
+    pass 1 gives each piece's own final state; the carry into every piece is the scan of those summaries, each
+    piece acting as one token whose score is its lse, whose value is its o and whose decay is its total log-decay,
+    run by this same kernel (a few chunks of summaries; its per-token states are the carries); pass 2 reruns the
+    pieces from their carries. Twice the work, ``segments`` times the parallelism, three launches; autograd runs
+    the three backwards."""
     B, T, H = s.shape
-    D = v.shape[-1]
-    length = -(-T // segments // chunk_size) * chunk_size
-    starts = torch.arange(0, T, length, device=v.device)
-    P = starts.numel()
-    cu = torch.cat([(torch.arange(B, device=v.device)[:, None] * T + starts).flatten(),
-                    torch.tensor([B * T], device=v.device)])
+    D, dev, C = v.shape[-1], v.device, chunk_size
+    length = -(-T // segments // C) * C
+    P = -(-T // length)
+    # pieces and their chunk offsets built on the device from host numbers: nothing waits for the device
+    cu = torch.cat([(torch.arange(B, device=dev)[:, None] * T + torch.arange(0, T, length, device=dev)).flatten(),
+                    torch.full((1,), B * T, device=dev)])
+    last_chunks = -(-(T - (P - 1) * length) // C)
+    per_piece = torch.full((B, P), length // C, device=dev)
+    per_piece[:, -1] = last_chunks
+    per_piece = per_piece.flatten()
+    layout = (torch.cumsum(per_piece, 0) - per_piece, B * ((P - 1) * (length // C) + last_chunks))
     flat = lambda x: None if x is None else x.reshape(1, B * T, *x.shape[2:])  # noqa: E731
-    _, seg_o, seg_lse = ChunkAarenFunction.apply(flat(s), flat(v), flat(g), None, None, cu, chunk_size)
-    seg_o, seg_lse = seg_o.view(B, P, H, D), seg_lse.view(B, P, H)
-    if g is None:
-        seg_g = torch.zeros_like(seg_lse)
-    else:  # total log-decay of each piece
+    _, _, seg_o, seg_lse = ChunkAarenFunction.apply(flat(s), flat(v), flat(g), None, None, cu, C, layout)
+    seg_g = None
+    if g is not None:  # total log-decay of each piece
         seg_g = torch.nn.functional.pad(g.float(), (0, 0, 0, P * length - T)).view(B, P, length, H).sum(2)
-    h0 = initial_state if initial_state is not None else empty_state(B, H, D, v.device)
-    h0 = (h0[0].float(), h0[1].float())
-    # [B, H, P(, D)] layout of the summary scan; inclusive states after each piece
-    inc_o, inc_lse = scan_states(seg_lse.transpose(1, 2), seg_o.transpose(1, 2), seg_g.transpose(1, 2), *h0, 16)
-    carry_o = torch.cat([h0[0].unsqueeze(2), inc_o[:, :, :-1]], 2).transpose(1, 2).reshape(B * P, H, D)
-    carry_lse = torch.cat([h0[1].unsqueeze(2), inc_lse[:, :, :-1]], 2).transpose(1, 2).reshape(B * P, H)
-    o, _, _ = ChunkAarenFunction.apply(flat(s), flat(v), flat(g), carry_o.contiguous(), carry_lse.contiguous(), cu,
-                                       chunk_size)
-    final = (inc_o[:, :, -1], inc_lse[:, :, -1]) if output_final_state else None
+    h0_o, h0_lse = (None, None) if initial_state is None else (initial_state[0].float(), initial_state[1].float())
+    # the inclusive state after each piece: its o and lse [B, P, H(, D)]
+    inc_o, inc_lse, fin_o, fin_lse = ChunkAarenFunction.apply(seg_lse.view(B, P, H), seg_o.view(B, P, H, D), seg_g,
+                                                              h0_o, h0_lse, None, chunk_size)
+    first_o = v.new_zeros(B, 1, H, D, dtype=torch.float32) if h0_o is None else h0_o.unsqueeze(1)
+    first_lse = v.new_full((B, 1, H), float("-inf"), dtype=torch.float32) if h0_lse is None else h0_lse.unsqueeze(1)
+    carry_o = torch.cat([first_o, inc_o[:, :-1]], 1).reshape(B * P, H, D)
+    carry_lse = torch.cat([first_lse, inc_lse[:, :-1]], 1).reshape(B * P, H)
+    o, _, _, _ = ChunkAarenFunction.apply(flat(s), flat(v), flat(g), carry_o, carry_lse, cu, C, layout)
+    final = (fin_o, fin_lse) if output_final_state else None
     return o.view(B, T, H, D), final

@@ -234,8 +234,9 @@ class WindowAttentionFunction(torch.autograd.Function):
         dks, dvs = torch.zeros(ks.shape, **f32), torch.zeros(vs.shape, **f32)
         dmk, dmv = torch.zeros(mk.shape, **f32), torch.zeros(mv.shape, **f32)
         dsink_s, dsink_v = torch.empty(sink_s.shape, **f32), torch.zeros(sink_v.shape, **f32)
-        # one config: autotuning would launch it several times, and its atomics would add up over the runs
-        get_kernel(_window_bwd_kernel, key=("D", "HAS_MEM"), warps=(4,), stages=(2,))[ctx.grid](
+        # one config: autotuning would launch it several times, and its atomics would add up over the runs; 8 warps
+        # hold its tiles (q, dO, dq, k, v, scores, their gradients: 64 x 64 each) in registers
+        get_kernel(_window_bwd_kernel, key=("D", "HAS_MEM"), warps=(8,), stages=(2,))[ctx.grid](
             q, qpos, ks, vs, spos, mk, mv, evict, last, idx, counts, sink_s, sink_v, sink_seen, lse, do, delta,
             dq, dks, dvs, dmk, dmv, dsink_s, dsink_v, *ctx.args, **ctx.meta)
         grads = (dq.to(q.dtype), dks.to(ks.dtype), dvs.to(vs.dtype), dmk.to(mk.dtype), dmv.to(mv.dtype),
