@@ -25,6 +25,8 @@ when i < k <= t. Summed over all items of a row, the logit gradients give that r
 rows but the final state, and 0 for an empty row), so dg_k = sum_{t >= k} dlse_t - sum_{i >= k} ds_i.
 The final state's gradients (d o_T, d lse_T) enter as R = d o_T, rho = <d o_T, o_T> - d lse_T.
 After the first chunk, R and <o_0, R> - rho are the gradients of the initial state (o_0, lse_0).
+The per-token lse is an output too (the split's summary scan hands it on): a gradient dlse_t enters as delta_t -
+dlse_t in place of delta_t, and dg_k gains sum_{t >= k} dlse_t.
 
 Varlen (cu_seqlens) is handled inside the kernel: program n reads its bounds from cu_seqlens.
 
