@@ -128,6 +128,9 @@ def build_parser():
                    "operator calls, kernel launches and host syncs per step, and the operators that take the time")
     p.add_argument("--prefill-tokens", type=int, default=None, metavar="N", help="tokens per piece of a prefill for "
                    "this run (the model's PREFILL_TOKENS_GPU on a GPU, its PREFILL_CHUNK on a CPU): to compare pieces")
+    p.add_argument("--compile-decode", default=None, metavar="BACKEND", help="run every model's decode steps "
+                   "through torch.compile with this backend (inductor on a GPU: fused kernels instead of one launch "
+                   "per operator; 'eager' only checks that the step traces); the warm-up steps take the compiles")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", dest="json_path", default=None, help="also write every number to this JSON file")
     return p
@@ -370,8 +373,10 @@ def prefill(model, ids):
 class Decoding:
     """One model's cache after a prefill, and greedy decode steps as generate() runs them."""
 
-    def __init__(self, kind, model, cache, next_token, prompt_len, max_steps):
-        self.kind, self.model, self.cache, self.next_token = kind, model, cache, next_token
+    def __init__(self, kind, model, cache, next_token, prompt_len, max_steps, compile_backend=None):
+        self.kind, self.cache, self.next_token = kind, cache, next_token
+        # dynamic: the attention mask grows by one each step
+        self.model = model if compile_backend is None else torch.compile(model, backend=compile_backend, dynamic=True)
         self.n = prompt_len
         self.mask = torch.ones(next_token.shape[0], prompt_len + max_steps + 1, dtype=torch.long,
                                device=next_token.device)
@@ -420,7 +425,7 @@ def run_prompts(models, args):
             if (batch, length) not in args.generate:
                 continue
             n_steps = args.warmup_steps + args.steps
-            decoders = {k: Decoding(k, models[k], *states[k], length, n_steps) for k in models}
+            decoders = {k: Decoding(k, models[k], *states[k], length, n_steps, args.compile_decode) for k in models}
             step_times = {k: [] for k in models}
             step_delta = {k: 0 for k in models}
             for i in range(n_steps):
@@ -503,7 +508,7 @@ def warm_up(models, args):
     ids = random_ids(args, 1, 16, salt=1)
     with torch.no_grad():
         for kind, model in models.items():
-            dec = Decoding(kind, model, *prefill(model, ids), 16, 3)
+            dec = Decoding(kind, model, *prefill(model, ids), 16, 3, args.compile_decode)
             for _ in range(3):
                 dec.step()
     synchronize(args.device)

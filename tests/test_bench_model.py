@@ -99,6 +99,24 @@ def test_bench_model_tiny_table_and_json(tmp_path, capsys):
     assert isinstance(cross["measured"], bool)
 
 
+def test_bench_model_compiles_the_decode_steps(tmp_path, monkeypatch):
+    """--compile-decode: every model's decode steps (warm-up included) go through torch.compile with the given
+    backend ('eager' here: it traces, where a GPU would run inductor), the rows come out, and the JSON says so."""
+    import torch
+
+    bench = load_bench()
+    compiled, real = [], torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: compiled.append(kw["backend"]) or real(model, **kw))
+    out = tmp_path / "bench_model.json"
+    bench.main(["--shape", "tiny", "--device", "cpu", "--train", "none", "--prompts", "none", "--generate", "1x24",
+                "--steps", "2", "--compile-decode", "eager", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert report["config"]["compile_decode"] == "eager"
+    assert [r["work"] for r in report["rows"]] == ["generate"]
+    assert compiled == ["eager"] * 4  # teacher and student, in the warm-up and in the row
+    assert all(m["ms_per_step"] > 0 for m in report["rows"][0]["models"].values())
+
+
 def test_bench_model_arguments():
     bench = load_bench()
     args = bench.parse_args(["--device", "cpu", "--train", "8x2k,1x32k", "--generate", "none", "--prompts", "1k"])
