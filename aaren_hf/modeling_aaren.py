@@ -301,7 +301,7 @@ class _Float32Product(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         a, b = ctx.saved_tensors
-        da = db = None
+        grad, da, db = grad.float(), None, None  # 16 bits where autocast ran the forward's product
         if ctx.needs_input_grad[0]:
             da = torch.matmul(grad, b.float().transpose(-1, -2)).sum_to_size(a.shape).to(a.dtype)
         if ctx.needs_input_grad[1]:
