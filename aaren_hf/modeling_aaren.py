@@ -451,7 +451,7 @@ def _window_attention_fused(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink
     if memory is not None:
         mem_keys, mem_values, evict, last = memory
         nblk = -(-T // WINDOW_BLOCK)
-        idx, counts = _memory_lists(evict, last, T, nblk, WINDOW_BLOCK)
+        idx, counts = _memory_lists(evict, last, T, nblk, WINDOW_BLOCK, ordered=False)  # the kernel reads any order
         # decoded codes are float32 and may round past float16's largest value: saturate, as the cache does
         lists = (to_cache(mem_keys, attend), to_cache(mem_values, attend), evict, last, idx, counts)
     sinks = None
@@ -748,11 +748,12 @@ def memory_seen(evict, last):
     return (index <= last) & (last < evict.unsqueeze(-2))
 
 
-def _memory_lists(evict, last, T, nblk, Q):
+def _memory_lists(evict, last, T, nblk, Q, ordered=True):
     """Per block of Q queries (T in all), the candidates some query of the block sees: at most M + Q of them (the
     block starts with at most M and each query adds at most the one token leaving its window). Returns their indices
-    [B, n, Hkv, K] in the candidates (seen ones first; the rest fill up to K, the most any block needs) and [n] how
-    many of the K the block needs at most (over rows and heads)."""
+    [B, n, Hkv, K] in the candidates (seen ones first, in candidate order when ``ordered``, else in any order; the
+    rest fill up to K, the most any block needs) and [n] how many of the K the block needs at most (over rows and
+    heads)."""
     B, Hkv, C = evict.shape
     last = last[:T]
     # the block's queries have last indices lo..hi (last grows with the query): a candidate in the memory at any
@@ -762,6 +763,8 @@ def _memory_lists(evict, last, T, nblk, Q):
     seen = (index <= hi.view(-1, 1, 1)) & (evict.unsqueeze(1) > lo.view(-1, 1, 1))  # [B, n, Hkv, C]
     counts = seen.sum(-1).amax((0, 2))  # [n]: the most candidates a block sees (over rows and kv heads)
     K = max(1, min(C, int(counts.max())))
+    if not ordered:  # a top-K keeps K indices per list where a sort returns all C (int64: 8 bytes per candidate)
+        return torch.topk(seen.to(torch.uint8), K, dim=-1).indices, counts  # sorted: the seen ones first
     return torch.sort((~seen).to(torch.uint8), dim=-1, stable=True).indices[..., :K], counts
 
 

@@ -577,7 +577,7 @@ def window_inputs(B=2, T=150, H=4, Hkv=2, D=24, P0=5, W=16, C=40, S=2, memory=Tr
         stay = torch.randint(1, 40, (B, Hkv, C), generator=gen)
         evict = torch.where(torch.rand(B, Hkv, C, generator=gen) < 0.2, -1, torch.arange(C) + stay)
         last = (torch.arange(T + 1) - 20).clamp(-1, C - 1)
-        idx, counts = _memory_lists(evict, last, T, -(-T // K.WINDOW_BLOCK), K.WINDOW_BLOCK)
+        idx, counts = _memory_lists(evict, last, T, -(-T // K.WINDOW_BLOCK), K.WINDOW_BLOCK, ordered=False)
         lists = (evict, last, idx, counts)
     if sinks:
         x.update(sink_s=rnd(B, T, H, S) * 3, sink_v=rnd(B, S, Hkv, D))
