@@ -230,6 +230,25 @@ def test_values_shared_by_groups_of_op_heads(impl):
 
 
 @needs_triton
+def test_the_split_goes_where_programs_leave_an_h200_idle(monkeypatch):
+    """num_segments on a GPU with 132 SMs (an H200), at SmolLM2's 36 op heads (9 query heads x 4 slots) and the
+    benchmark's 16: pieces where B x H programs would leave most SMs idle and each piece keeps 16+ chunks; none
+    below 8K tokens, none on a CPU."""
+    from types import SimpleNamespace
+
+    from aaren_hf.kernels.aaren.chunk import num_segments
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
+    gpu = torch.device("cuda")
+    assert num_segments(2, 8192, 36, 64, gpu) == 4  # a 2 x 8K train step: 72 programs -> 288
+    assert num_segments(1, 32768, 36, 64, gpu) == 8
+    assert num_segments(1, 16384, 16, 64, gpu) == 16
+    assert num_segments(8, 2048, 36, 64, gpu) == 1  # below 8K tokens
+    assert num_segments(8, 8192, 16, 64, gpu) == 1  # 128 programs already: 3 pieces would not pay
+    assert num_segments(1, 8192, 16, 64, torch.device("cpu")) == 1
+
+
+@needs_triton
 @pytest.mark.parametrize("decay,h0,mask", [(False, False, 0.0), (True, True, 0.1), (True, False, 0.3)])
 def test_per_token_lse_and_its_gradient(decay, h0, mask):
     """The Triton op's per-token lse (the split hands its summary scan's on as carries) and the gradients that flow
