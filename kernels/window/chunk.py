@@ -18,7 +18,8 @@ the per-row log-sum-exp. The backward recomputes the probabilities from the lse,
 and dv of the keys it read with float32 atomics (a key is read by up to two blocks of the window and by every block
 of its memory stretch, for each of the G query heads of its kv head).
 
-Loads are converted to float32; dots run in "ieee" for float32 inputs and tf32 for 16-bit ones (as the scan's).
+Loads are converted to float32; dots run as the scan's do (``_dot_precision``: "ieee" for float32 inputs, tf32 for
+16-bit ones where the GPU has it).
 """
 
 import torch
@@ -26,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .. import WINDOW_BLOCK as BQ  # queries per program; the memory's candidate lists are per block of BQ queries
-from ..aaren.chunk import _ADD, _MAX, get_kernel
+from ..aaren.chunk import _ADD, _MAX, _dot_precision, get_kernel
 BK = 64  # keys per tile
 
 
@@ -200,10 +201,6 @@ def _window_bwd_kernel(
     tl.store(dq + row_off[:, None] * D + cols[None, :], b_dq, mask=m_qd)
 
 
-def _dot_prec(x):
-    return "ieee" if x.element_size() >= 4 else "tf32"
-
-
 class WindowAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, ks, vs, mk, mv, sink_s, sink_v, qpos, spos, evict, last, idx, counts, sink_seen, P0, W,
@@ -215,7 +212,7 @@ class WindowAttentionFunction(torch.autograd.Function):
         lse = torch.empty(B, T, H, device=q.device, dtype=torch.float32)
         args = (T, Ls, P0, W, C, K, NB, scale)
         meta = dict(H=H, HKV=Hkv, S=S, D=D, BD=triton.next_power_of_2(max(D, 16)), BQ=BQ, BK=BK,
-                    HAS_MEM=C > 0, DOT_PREC=_dot_prec(q))
+                    HAS_MEM=C > 0, DOT_PREC=_dot_precision(q))
         grid = (triton.cdiv(T, BQ), B * H)
         get_kernel(_window_fwd_kernel, key=("D", "HAS_MEM"))[grid](
             q, qpos, ks, vs, spos, mk, mv, evict, last, idx, counts, sink_s, sink_v, sink_seen, o, lse, *args, **meta)
