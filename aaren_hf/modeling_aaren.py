@@ -549,6 +549,17 @@ def hadamard_signs(D: int, device, dtype: torch.dtype = torch.float32) -> torch.
     return _HADAMARD_SIGNS[key]
 
 
+def bfloat16_grid(x: torch.Tensor) -> torch.Tensor:
+    """Float32 x >= 0 rounded to the nearest bfloat16 (ties to even), kept in float32: x.to(bfloat16).float() bit for
+    bit (for a NaN, a NaN), by the integer arithmetic of the conversion (as kernels/memory/codes.h does it). A
+    compiler fusing .to(bfloat16).float() into one kernel may skip that rounding (inductor does, unless
+    emulate_precision_casts), and codes taken against an unrounded scale differ from prefill's; integer arithmetic
+    it keeps."""
+    u = x.view(torch.int32)
+    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) & -0x10000).view(torch.float32)
+    return torch.where(x.isnan(), x, rounded)  # a NaN's low payload bits would carry into inf
+
+
 @dataclass(frozen=True)
 class MemoryCodes:
     """How the memory stores its keys and values when ``memory_bits`` is set: ``bits``-bit integer codes with one
@@ -581,8 +592,9 @@ class MemoryCodes:
         the other channels to zero; still exact back and forth (docs/aaren_math.md, section 4)."""
         top = 2 ** (self.bits - 1) - 1
         x = hadamard(x.float()) if self.rotate else x.float()
-        scale = (x.abs().amax(-1, keepdim=True) / top).to(torch.bfloat16)
-        codes = torch.round(x / scale.float().clamp(min=torch.finfo(torch.float32).tiny)).clamp(-top, top)
+        scale = bfloat16_grid(x.abs().amax(-1, keepdim=True) / top)
+        codes = torch.round(x / scale.clamp(min=torch.finfo(torch.float32).tiny)).clamp(-top, top)
+        scale = scale.to(torch.bfloat16)  # exact: already on bfloat16's grid
         if self.bits == 8:
             return codes.to(torch.int8), scale
         codes = (codes + 8).to(torch.uint8)

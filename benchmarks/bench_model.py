@@ -375,13 +375,6 @@ class Decoding:
 
     def __init__(self, kind, model, cache, next_token, prompt_len, max_steps, compile_backend=None):
         self.kind, self.cache, self.next_token = kind, cache, next_token
-        if compile_backend == "inductor":
-            import torch._inductor.config as inductor_config
-
-            # The memory's codes are taken against a scale rounded to bfloat16. Without this, inductor keeps the
-            # float32 scale inside a fused kernel, and a stored code can differ from the one prefill would store
-            # (on the CPU, a tiny 4-bit-memory model: one code in the first steps, logits drifting by 0.01-0.05).
-            inductor_config.emulate_precision_casts = True
         # dynamic: the attention mask grows by one each step
         self.model = model if compile_backend is None else torch.compile(model, backend=compile_backend, dynamic=True)
         self.n = prompt_len

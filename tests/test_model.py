@@ -4,6 +4,7 @@ window branch against brute-force references, numerical robustness, dtypes, bad 
 import copy
 import math
 import shutil
+from unittest import mock
 
 import pytest
 import torch
@@ -1225,6 +1226,41 @@ def test_window_attention_in_16_bits_stays_within_their_rounding(dtype, monkeypa
     for got, want in zip(results["16-bit"], results["float32"]):
         assert ((got - want).norm() / want.norm()).item() < 2e-2
         assert torch.isfinite(got).all()
+
+
+def test_bfloat16_grid_is_the_conversion_in_integer_arithmetic():
+    """The memory codes' scale (``bfloat16_grid``): x.to(bfloat16).float() bit for bit on random bit patterns of
+    non-negative floats (ties, subnormals, the largest finite values, inf; an exhaustive run over all 2^31 agreed),
+    and a NaN, whatever its payload, stays a NaN."""
+    gen = torch.Generator().manual_seed(0)
+    bits = torch.randint(0, 0x7F800001, (1 << 20,), generator=gen, dtype=torch.int64)
+    edges = torch.tensor([0, 1, 0x8000, 0x18000, 0x3F808000, 0x3F818000, 0x007FFFFF, 0x7F7F8000, 0x7F7FFFFF,
+                          0x7F800000], dtype=torch.int64)
+    x = torch.cat([bits, edges]).to(torch.int32).view(torch.float32)
+    assert torch.equal(modeling.bfloat16_grid(x).view(torch.int32), x.to(torch.bfloat16).float().view(torch.int32))
+    nans = torch.tensor([0x7F800001, 0x7F807FFF, 0x7FC00000, 0x7FFFFFFF], dtype=torch.int64)
+    assert modeling.bfloat16_grid(nans.to(torch.int32).view(torch.float32)).isnan().all()
+
+
+def test_a_decode_step_compiled_by_inductor_stores_the_codes_prefill_would():
+    """The GPU's decode path (run here) compiled by inductor, with a 4-bit memory: its logits match eager step by
+    step. Before bfloat16_grid, inductor kept the codes' scale unrounded inside a fused kernel, a stored code
+    differed and the logits drifted by 0.01-0.05 from the third step (this test failed so). Compiling takes
+    15-90 s."""
+    model = tiny_model(seed=0, chunk_size=16, **MIXER_CASES["memory_int4_gqa"])
+    ids = random_ids(1, 20, seed=3)
+    caches = [AarenCache(model.config), AarenCache(model.config)]
+    torch._dynamo.reset()
+    step = torch.compile(model, backend="inductor", dynamic=True)
+    with mock.patch.object(modeling, "launch_bound", lambda device: True), torch.no_grad():
+        for cache in caches:
+            model(ids[:, :12], past_key_values=cache, use_cache=True)
+        for t in range(12, 17):
+            mask = torch.ones(1, t + 1, dtype=torch.long)
+            kw = dict(input_ids=ids[:, t:t + 1], attention_mask=mask, use_cache=True)
+            eager = model(past_key_values=caches[0], **kw).logits
+            torch.testing.assert_close(step(past_key_values=caches[1], **kw).logits, eager, atol=1e-4, rtol=0)
+    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
