@@ -33,13 +33,14 @@ from .configuration_aaren import AarenConfig
 try:  # Triton kernels on CUDA and the C kernels on CPUs, when this package is installed; the PyTorch code in this
     # file serves everywhere else (a checkpoint's own copy of it: nothing else to install)
     from aaren_hf.kernels import (WINDOW_BLOCK, chunk_aaren, fused_recurrent_aaren, fused_window_attention,
-                                  select_backend)
+                                  fused_window_step, select_backend)
     from aaren_hf.kernels.aaren import aaren_scan_cpu
     from aaren_hf.kernels.memory import memory_evict_cpu, memory_round_cpu
     from aaren_hf.kernels.mixer import mixer_step_cpu
 except ImportError:
     chunk_aaren, fused_recurrent_aaren = chunk_aaren_torch, recurrent_aaren_torch
-    aaren_scan_cpu = memory_evict_cpu = memory_round_cpu = mixer_step_cpu = fused_window_attention = None
+    aaren_scan_cpu = memory_evict_cpu = memory_round_cpu = mixer_step_cpu = None
+    fused_window_attention = fused_window_step = None
 
 
 # With a cache kept (prefill), prompts longer than this go through the model in pieces of this many tokens on a CPU.
@@ -1122,10 +1123,18 @@ class AarenMixer(nn.Module):
         attention over [window, token, sinks, memory], the window shifted by one, and the entry leaving it offered to
         the memory. Same outputs (to float rounding) and the same state as the general path, which the tests check
         against this one. On a CPU with the aaren_hf package installed, ``kernels/window/step.c`` does all of it
-        inside :meth:`step_in_c`'s one call, with this method as its reference."""
+        inside :meth:`step_in_c`'s one call, with this method as its reference; on a GPU, one Triton launch
+        (``kernels/window/fused_recurrent.py``) with the state written in place."""
         B, _, Hkv, D = k.shape
         H, W, S, M = self.num_heads, self.window, self.num_sinks, self.memory_size
         (cos, sin), sink_angles = self.step_angles(pos, shared)
+        if fused_window_step is not None and launch_bound(q.device) and select_backend(q) == "triton":
+            codes = self.memory_codes
+            out = fused_window_step(q, k, v, pos, (cos, sin), sink_angles, state, retention, W, S, M,
+                                    codes and codes.bits, bool(codes and codes.rotate), self.kv_cache_dtype,
+                                    self.scale)
+            if out is not None:
+                return out
         p = pos[:, 0]
         stored = state.window_k.dtype
         qk = rotate_by(torch.cat([q, k], 2), cos, sin)  # q and k at the token's position

@@ -5,8 +5,10 @@ launch-bound, pays in kernel launches. Counts every PyTorch operator that runs e
 GPU), through the PyTorch path (``AAREN_BACKEND=torch``: no C kernels), once as a CPU runs it and once as a GPU
 does (``modeling_aaren.launch_bound`` answering yes: one prefill piece, the GPU's sweep passes, and, when triton is
 installed, the scan per op head and window attention by their Triton kernels, in Triton's interpreter, each launch
-counted as one operator; without triton, the chunked PyTorch scan and window path). Then one decode step after a --decode-prompt-token prompt, as a GPU runs it, against the teacher's
-(Llama, sdpa, its KV cache): at batch 1 a GPU pays such a step in launches. Deterministic: no timing.
+counted as one operator; without triton, the chunked PyTorch scan and window path). Then one decode step after a
+--decode-prompt-token prompt, as a GPU runs it (the scan's step and, with --window kernel, the window branch's step
+by their Triton kernels, each launch one operator), against the teacher's (Llama, sdpa, its KV cache): at batch 1 a
+GPU pays such a step in launches. Deterministic: no timing.
 
     python -P benchmarks/count_ops.py                       # 32K tokens, as a CPU and as a GPU runs them
     python -P benchmarks/count_ops.py --tokens 4096 --layers 1 --window pytorch   # window attention as before aa87c5d
@@ -51,7 +53,7 @@ def triton_kernels_as_a_gpu_runs_them(window_kernel: bool):
     not make, uncounted); the operators around them are counted as they run. The C kernels stay off."""
     import aaren_hf.kernels as kernels
     from aaren_hf.kernels.aaren import chunk as scan_chunk, fused_recurrent
-    from aaren_hf.kernels.window import chunk as window_chunk
+    from aaren_hf.kernels.window import chunk as window_chunk, fused_recurrent as window_step
 
     real = scan_chunk.get_kernel
 
@@ -68,7 +70,8 @@ def triton_kernels_as_a_gpu_runs_them(window_kernel: bool):
 
     triton = lambda x: "triton"  # noqa: E731
     return ([mock.patch.object(kernels, "select_backend", triton), mock.patch.dict(os.environ, TRITON_INTERPRET="1")]
-            + [mock.patch.object(m, "get_kernel", get_kernel) for m in (scan_chunk, fused_recurrent, window_chunk)]
+            + [mock.patch.object(m, "get_kernel", get_kernel) for m in (scan_chunk, fused_recurrent, window_chunk,
+                                                                                window_step)]
             + ([mock.patch.object(modeling, "select_backend", triton)] if window_kernel else []))
 
 
@@ -79,8 +82,8 @@ def main(argv=None):
     p.add_argument("--decode-prompt", type=int, default=1024, help="prompt before the counted decode step (past the "
                    "window and the memory's size, so the step does all its work)")
     p.add_argument("--window", default="kernel", choices=["kernel", "pytorch"],
-                   help="window attention as a GPU runs it: the Triton kernel (when triton is installed) or the "
-                   "PyTorch path that gathers each block's keys")
+                   help="the window branch as a GPU runs it: its Triton kernels (when triton is installed; attention "
+                   "and the decode step) or the PyTorch paths (window attention gathering each block's keys)")
     args = p.parse_args(argv)
     triton = modeling.fused_window_attention is not None and triton_available()
     kernel = triton and args.window == "kernel"
@@ -110,10 +113,14 @@ def main(argv=None):
         decode = {}
         prompt, token = ids[:, :args.decode_prompt], ids[:, args.decode_prompt:args.decode_prompt + 1]
         for name, model in (("teacher", teacher), ("student", student)):
-            with mock.patch.object(modeling, "launch_bound", lambda device: True), torch.no_grad():
+            with mock.patch.object(modeling, "launch_bound", lambda device: True), torch.no_grad(), \
+                    contextlib.ExitStack() as patches:
+                if triton and name == "student":
+                    for patch in triton_kernels_as_a_gpu_runs_them(kernel):
+                        patches.enter_context(patch)
                 cache = model(prompt, use_cache=True, logits_to_keep=1).past_key_values
                 extra = {"position_ids": torch.full_like(token, prompt.shape[1])} if name == "teacher" else {}
-                counter = CountOps()
+                counter = COUNTER[0] = CountOps()
                 with counter:
                     model(token, past_key_values=cache, use_cache=True, **extra)
             decode[name] = counter.n / args.layers

@@ -36,6 +36,7 @@ print('torch', torch.__version__, '| triton', triton.__version__, '| transformer
 # what matters most: correctness, then the whole model (prefill and generate, then train steps), then the scan.
 status=0
 timeout 120 python3 -m pytest -q -p no:cacheprovider -m requires_gpu -rA tests/test_kernels.py tests/test_model.py \
+  tests/test_window_step_kernel.py \
   2>&1 | tee "$LOG/test_gpu.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|Error|assert" | tail -40
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 

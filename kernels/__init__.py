@@ -1,7 +1,8 @@
 """Aaren scan ops: PyTorch references and Triton kernels behind one dispatch point; the window branch's attention
 for training and prefill in Triton (``window/chunk.py``, ``fused_window_attention``; reference: the PyTorch path of
 ``window_attention`` in modeling_aaren.py, which takes it where ``select_backend`` says Triton on a launch-bound
-device).
+device) and its decode step in Triton (``window/fused_recurrent.py``, ``fused_window_step``; reference:
+``AarenMixer.window_step``, likewise).
 
     o, final_state = chunk_aaren(s, v, g=None, initial_state=None, output_final_state=False, cu_seqlens=None,
                                  chunk_size=64)
@@ -103,3 +104,14 @@ def fused_window_attention(q, qpos, ks, vs, spos, P0, window, scale, memory=None
     from .window.chunk import window_attention_triton
 
     return window_attention_triton(q, qpos, ks, vs, spos, P0, window, scale, memory, sinks)
+
+
+def fused_window_step(q, k, v, pos, angles, sink_turn, state, retention, window, sinks, memory_size, bits, rotate,
+                      kv_cache_dtype, scale):
+    """The window branch's decode step in one Triton launch (``window/fused_recurrent.py``; reference:
+    ``AarenMixer.window_step``), the state written in place; None where it does not take the inputs. Callers check
+    ``select_backend(q) == "triton"`` first."""
+    from .window.fused_recurrent import window_step_triton
+
+    return window_step_triton(q, k, v, pos, angles, sink_turn, state, retention, window, sinks, memory_size, bits,
+                              rotate, kv_cache_dtype, scale)

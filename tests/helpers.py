@@ -293,11 +293,11 @@ def brute_force_aaren(s, v, g=None, initial_state=None):
     return o, (o[:, -1], lse[:, :, -1])
 
 
-def kernel_beside_reference(mixer, x, mask, pos, monkeypatch, name, prompt=3, rounded=()):
+def kernel_beside_reference(mixer, x, mask, pos, monkeypatch, name, prompt=3, rounded=(), tol=1e-5):
     """Feed ``mixer`` the same tokens twice, a prompt of ``prompt`` tokens and then one token per call: once with the
     C decode step ``aaren_hf.modeling_aaren.<name>`` and once with it set to None (the PyTorch reference). After
-    each call: the outputs equal to float32 rounding (1e-5 of the largest; a wrong key or weight moves them by far
-    more), the state tensors the same names and dtypes, equal bit for bit, or to rounding for the names in
+    each call: the outputs equal to float32 rounding (``tol`` of the largest: 1e-5; a wrong key or weight moves them by
+    far more), the state tensors the same names and dtypes, equal bit for bit, or to rounding for the names in
     ``rounded``. Asserts that the kernel served a call; returns the kernel side's final state."""
     import aaren_hf.modeling_aaren as modeling
     from aaren_hf.modeling_aaren import AarenLayerState
@@ -316,7 +316,7 @@ def kernel_beside_reference(mixer, x, mask, pos, monkeypatch, name, prompt=3, ro
             got = mixer(x[:, t], mask[:, t], pos[:, t], with_kernel)
             monkeypatch.setattr(modeling, name, None)
             want = mixer(x[:, t], mask[:, t], pos[:, t], reference)
-        torch.testing.assert_close(got, want, atol=1e-5 * float(want.abs().max()), rtol=1e-5,
+        torch.testing.assert_close(got, want, atol=tol * float(want.abs().max()), rtol=tol,
                                    msg=lambda m: f"layer {mixer.layer_idx} {t}: {m}")
         got_state, want_state = with_kernel.tensors(), reference.tensors()
         assert got_state.keys() == want_state.keys()

@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 from triton import knobs
+from triton.runtime.jit import JITFunction
 
 
 def _interpreting() -> bool:
@@ -56,6 +57,19 @@ def _interpreting() -> bool:
 _ADD = tl.standard._sum_combine
 _MAX = tl.standard._elementwise_max
 _KERNELS = {}
+
+
+class _DeviceFunction(JITFunction):
+    """A function kernels call: compiled kernels inline it like any ``triton.jit`` function; Triton's interpreter,
+    which runs a kernel as Python, calls it as Python (a plain JITFunction refuses that call, and ``triton.jit``
+    decides interpreted or compiled once, at import, where kernels here are wrapped at launch: ``get_kernel``)."""
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+
+def device_function(fn):
+    return _DeviceFunction(fn)
 
 
 def get_kernel(fn, key=("C", "BD"), warps=(4, 8), stages=(1, 2)):

@@ -1,0 +1,95 @@
+"""The window branch's decode step in Triton (kernels/window/fused_recurrent.py, run here in Triton's interpreter as a
+GPU runs it) against its reference, the PyTorch ``AarenMixer.window_step``: the same output to float rounding and,
+after every step, the same state bit for bit (window, sinks, the memory's choices, codes and scales), the Aaren
+state too (both sides run the same Aaren kernels)."""
+
+import pytest
+import torch
+
+import aaren_hf.modeling_aaren as modeling
+from helpers import MIXER_CASES, kernel_beside_reference, tiny_model
+
+pytest.importorskip("triton")
+if modeling.fused_window_step is None:
+    pytest.skip("aaren_hf.kernels is not importable", allow_module_level=True)
+
+# one case per feature the kernel branches on (the interpreter is slow): sinks, partial rotary, query groups, a
+# plain memory in float32 and in 16 bits, 8-bit and 4-bit codes, Hadamard codes, a float16 cache, per-layer windows
+# and rotary bases
+CASES = ["window_sinks", "partial_rotary", "gqa_slots_window", "memory_learned", "memory_kv_bf16", "memory_int8",
+         "memory_int4_gqa", "memory_int4_hadamard", "gemma_block", "default_like_d64", "fp16_cache"]
+EXTRA = {  # the default recipe's kind of mixer at a real head size; 8-bit codes; a float16 cache
+    "default_like_d64": dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, window_size=5,
+                             num_sink_tokens=1, memory_size=6, memory_bits=4, memory_hadamard=True,
+                             num_query_slots=4, decay="learned"),
+    "int8_d64": dict(hidden_size=128, num_attention_heads=2, window_size=3, num_sink_tokens=2, memory_size=4,
+                     memory_bits=8),
+    "fp16_cache": dict(window_size=4, num_sink_tokens=1, memory_size=3, kv_cache_dtype="float16"),
+}
+
+
+def as_a_gpu(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(modeling, "launch_bound", lambda device: True)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_triton_step_equals_pytorch_step(case, monkeypatch):
+    """Two states fed the same tokens one at a time, through the kernel and through the PyTorch step, long enough
+    that the memory fills and then trades entries (random retention scores; kv head 0's all tie, so the tie rule
+    runs too); from the first steps on (tokens that fill sinks or still see them in the window), with a row that
+    starts with padding and is padding again for a few steps."""
+    as_a_gpu(monkeypatch)
+    model = tiny_model(chunk_size=16, **MIXER_CASES.get(case, {}), **EXTRA.get(case, {}))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if hasattr(layer.mixer, "retention_proj"):
+                layer.mixer.retention_proj.weight[0] = 0.0
+    B, T = 2, 24
+    x = torch.randn(B, T, model.config.hidden_size, generator=torch.Generator().manual_seed(5)) * 2
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[1, :6] = False
+    mask[1, 14:17] = False
+    pos = (mask.long().cumsum(1) - 1).masked_fill(~mask, -1)
+    for mixer in [layer.mixer for layer in model.model.layers if layer.mixer.window > 1]:
+        with_kernel = kernel_beside_reference(mixer, x, mask, pos, monkeypatch, "fused_window_step")
+        if mixer.memory_size:  # the memory did fill, and trade entries
+            assert bool((with_kernel.memory_pos >= 0).all())
+            assert int(with_kernel.memory_pos.max()) > mixer.num_sinks + mixer.window + mixer.memory_size
+
+
+@pytest.mark.parametrize("case, dtype", [("default_like_d64", torch.bfloat16), ("default_like_d64", torch.float16),
+                                         ("int8_d64", torch.bfloat16)])
+def test_triton_step_in_a_16_bit_model(case, dtype, monkeypatch):
+    """A 16-bit model, as a GPU serves it: queries, keys and values in 16 bits, the window and sinks stored in them.
+    The state bit for bit (the kernel rounds to bfloat16 by integer arithmetic, as torch's cast does: to nearest,
+    ties to even), the output to 16-bit rounding (it is cast from a float32 sum taken in another order)."""
+    as_a_gpu(monkeypatch)
+    model = tiny_model(chunk_size=16, **MIXER_CASES.get(case, {}), **EXTRA.get(case, {})).to(dtype)
+    B, T = 2, 24
+    x = (torch.randn(B, T, model.config.hidden_size, generator=torch.Generator().manual_seed(3)) * 2).to(dtype)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[0, :4] = False
+    pos = (mask.long().cumsum(1) - 1).masked_fill(~mask, -1)
+    for mixer in [layer.mixer for layer in model.model.layers]:
+        kernel_beside_reference(mixer, x, mask, pos, monkeypatch, "fused_window_step", tol=1e-2)
+
+
+@pytest.mark.requires_gpu
+def test_gpu_window_step_equals_pytorch_step(monkeypatch):
+    """The compiled kernel on CUDA beside the PyTorch step on CUDA, at the default recipe's mixer shape (SmolLM2's
+    heads: 9 query and 3 kv heads of 64; window 64, 1 sink, 448 slots of rotated 4-bit codes), bf16, for enough
+    tokens that the memory fills and trades entries: the state bit for bit (rotary products without fma, the codes'
+    division and rounding exact, as the reference's on the same GPU), the output to bf16 rounding."""
+    kw = dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, window_size=64, num_sink_tokens=1,
+              memory_size=448, memory_bits=4, memory_hadamard=True, num_query_slots=4, decay="learned",
+              kv_cache_dtype="bfloat16")
+    model = tiny_model(chunk_size=16, **kw).to("cuda", torch.bfloat16)
+    B, T = 2, 560
+    x = (torch.randn(B, T, 576, generator=torch.Generator().manual_seed(3)) * 2).to("cuda", torch.bfloat16)
+    mask = torch.ones(B, T, dtype=torch.bool, device="cuda")
+    mask[1, :7] = False
+    pos = (mask.long().cumsum(1) - 1).masked_fill(~mask, -1)
+    mixer = model.model.layers[0].mixer
+    state = kernel_beside_reference(mixer, x, mask, pos, monkeypatch, "fused_window_step", prompt=40, tol=1e-2)
+    assert int(state.memory_pos.min()) >= 0 and int(state.memory_pos.max()) > 1 + 64 + 448
