@@ -27,16 +27,26 @@ import triton
 import triton.language as tl
 
 from .. import WINDOW_BLOCK as BQ  # queries per program; the memory's candidate lists are per block of BQ queries
-from ..aaren.chunk import _ADD, _MAX, _dot_precision, get_kernel
+from ..aaren.chunk import _ADD, _MAX, _dot_precision, device_function, get_kernel
 BK = 64  # keys per tile
 
 
-def _window_fwd_kernel(
-    q, qpos, ks, vs, spos, mk, mv, evict, last, idx, counts, sink_s, sink_v, sink_seen, o, lse,
-    T, Ls, P0, W, C, K, NB, scale,
-    H: tl.constexpr, HKV: tl.constexpr, S: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BQ: tl.constexpr,
-    BK: tl.constexpr, HAS_MEM: tl.constexpr, DOT_PREC: tl.constexpr,
-):
+@device_function
+def _softmax_step(m, l_sum, s):
+    """One tile of an online softmax: scores s [R, N] (-inf: not seen) against the running max m and sum l_sum [R].
+    Returns (new max, the factor earlier sums scale by, the tile's weights [R, N], new sum)."""
+    m_new = tl.maximum(m, tl.reduce(s, 1, _MAX))
+    base = tl.where(m_new > float("-inf"), m_new, 0.0)  # nothing seen yet: never -inf - -inf
+    p = tl.exp(s - base[:, None])
+    alpha = tl.exp(m - base)
+    return m_new, alpha, p, l_sum * alpha + tl.reduce(p, 1, _ADD)
+
+
+@device_function
+def _query_block(q, qpos, T, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                 BQ: tl.constexpr):
+    """This program's block of queries: (block, sequence, head, kv head, rows, rows < T, cols, cols < D, real
+    tokens (padding queries see nothing: o = 0), offsets of the rows in [B, T, H], the queries in float32)."""
     i_q = tl.program_id(0)
     i_bh = tl.program_id(1)
     b = i_bh // H
@@ -46,9 +56,37 @@ def _window_fwd_kernel(
     m_q = rows < T
     cols = tl.arange(0, BD)
     m_d = cols < D
-    valid = m_q & (tl.load(qpos + b * T + rows, mask=m_q, other=-1) >= 0)  # padding queries see nothing: o = 0
+    valid = m_q & (tl.load(qpos + b * T + rows, mask=m_q, other=-1) >= 0)
     row_off = (b.to(tl.int64) * T + rows) * H + h
     b_q = tl.load(q + row_off[:, None] * D + cols[None, :], mask=m_q[:, None] & m_d[None, :], other=0).to(tl.float32)
+    return i_q, b, hk, rows, m_q, cols, m_d, valid, row_off, b_q
+
+
+@device_function
+def _attend(b_q, b_k, b_v, seen, m_i, l_i, acc, scale, DOT_PREC: tl.constexpr):
+    """The forward's step over one tile of keys [BK, BD] and values, ``seen`` [BQ, BK]: (m_i, l_i, acc) updated."""
+    s = tl.dot(b_q, tl.trans(b_k.to(tl.float32)), input_precision=DOT_PREC) * scale
+    m_i, alpha, p, l_i = _softmax_step(m_i, l_i, tl.where(seen, s, float("-inf")))
+    acc = acc * alpha[:, None]
+    acc += tl.dot(p, b_v.to(tl.float32), input_precision=DOT_PREC)
+    return m_i, l_i, acc
+
+
+@device_function
+def _attend_backward(b_q, b_do, b_k, b_v, seen, b_lse, b_delta, scale, DOT_PREC: tl.constexpr):
+    """The backward's weights p and score gradients ds [BQ, BK] of one tile of keys and values (float32)."""
+    s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC) * scale
+    p = tl.where(seen, tl.exp(s - b_lse[:, None]), 0.0)
+    return p, p * (tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PREC) - b_delta[:, None]) * scale
+
+
+def _window_fwd_kernel(
+    q, qpos, ks, vs, spos, mk, mv, evict, last, idx, counts, sink_s, sink_v, sink_seen, o, lse,
+    T, Ls, P0, W, C, K, NB, scale,
+    H: tl.constexpr, HKV: tl.constexpr, S: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BQ: tl.constexpr,
+    BK: tl.constexpr, HAS_MEM: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    i_q, b, hk, rows, m_q, cols, m_d, valid, row_off, b_q = _query_block(q, qpos, T, H, HKV, D, BD, BQ)
     m_i = tl.full([BQ], float("-inf"), tl.float32)
     l_i = tl.full([BQ], 0.0, tl.float32)
     acc = tl.full([BQ, BD], 0.0, tl.float32)
@@ -63,17 +101,8 @@ def _window_fwd_kernel(
         kp = tl.load(spos + b.to(tl.int64) * Ls + r, mask=m_r, other=-1)
         b_k = tl.load(ks + kv_off[:, None] * D + cols[None, :], mask=m_r[:, None] & m_d[None, :], other=0)
         b_v = tl.load(vs + kv_off[:, None] * D + cols[None, :], mask=m_r[:, None] & m_d[None, :], other=0)
-        s = tl.dot(b_q, tl.trans(b_k.to(tl.float32)), input_precision=DOT_PREC) * scale
         seen = valid[:, None] & (r[None, :] <= me[:, None]) & (r[None, :] > me[:, None] - W) & (kp[None, :] >= 0)
-        s = tl.where(seen, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
-        base = tl.where(m_new > float("-inf"), m_new, 0.0)  # seen nothing yet: never -inf - -inf
-        p = tl.exp(s - base[:, None])
-        alpha = tl.exp(m_i - base)
-        l_i = l_i * alpha + tl.reduce(p, 1, _ADD)
-        acc = acc * alpha[:, None]
-        m_i = m_new
-        acc += tl.dot(p, b_v.to(tl.float32), input_precision=DOT_PREC)
+        m_i, l_i, acc = _attend(b_q, b_k, b_v, seen, m_i, l_i, acc, scale, DOT_PREC)
 
     if HAS_MEM:
         l_q = tl.load(last + rows, mask=m_q, other=-1)
@@ -87,31 +116,15 @@ def _window_fwd_kernel(
             ends = tl.load(evict + row_c + c, mask=m_k, other=-1)
             b_k = tl.load(mk + (row_c + c)[:, None] * D + cols[None, :], mask=m_k[:, None] & m_d[None, :], other=0)
             b_v = tl.load(mv + (row_c + c)[:, None] * D + cols[None, :], mask=m_k[:, None] & m_d[None, :], other=0)
-            s = tl.dot(b_q, tl.trans(b_k.to(tl.float32)), input_precision=DOT_PREC) * scale
             seen = valid[:, None] & m_k[None, :] & (c[None, :] <= l_q[:, None]) & (l_q[:, None] < ends[None, :])
-            s = tl.where(seen, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
-            base = tl.where(m_new > float("-inf"), m_new, 0.0)  # seen nothing yet: never -inf - -inf
-            p = tl.exp(s - base[:, None])
-            alpha = tl.exp(m_i - base)
-            l_i = l_i * alpha + tl.reduce(p, 1, _ADD)
-            acc = acc * alpha[:, None]
-            m_i = m_new
-            acc += tl.dot(p, b_v.to(tl.float32), input_precision=DOT_PREC)
+            m_i, l_i, acc = _attend(b_q, b_k, b_v, seen, m_i, l_i, acc, scale, DOT_PREC)
 
     for j in range(S):
         sc = tl.load(sink_s + row_off * S + j, mask=m_q, other=0).to(tl.float32) * scale
         seen = valid & (tl.load(sink_seen + (b.to(tl.int64) * T + rows) * S + j, mask=m_q, other=0) != 0)
         sv = tl.load(sink_v + ((b.to(tl.int64) * S + j) * HKV + hk) * D + cols, mask=m_d, other=0).to(tl.float32)
-        s = tl.where(seen, sc, float("-inf"))[:, None]
-        m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
-        base = tl.where(m_new > float("-inf"), m_new, 0.0)  # seen nothing yet: never -inf - -inf
-        p = tl.exp(s - base[:, None])
-        alpha = tl.exp(m_i - base)
-        l_i = l_i * alpha + tl.reduce(p, 1, _ADD)
-        acc = acc * alpha[:, None]
-        m_i = m_new
-        acc += p * sv[None, :]
+        m_i, alpha, p, l_i = _softmax_step(m_i, l_i, tl.where(seen, sc, float("-inf"))[:, None])
+        acc = acc * alpha[:, None] + p * sv[None, :]
 
     nonempty = l_i > 0
     l_safe = tl.where(nonempty, l_i, 1.0)
@@ -127,19 +140,8 @@ def _window_bwd_kernel(
     H: tl.constexpr, HKV: tl.constexpr, S: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BQ: tl.constexpr,
     BK: tl.constexpr, HAS_MEM: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    i_q = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    b = i_bh // H
-    h = i_bh % H
-    hk = h // (H // HKV)
-    rows = i_q * BQ + tl.arange(0, BQ)
-    m_q = rows < T
-    cols = tl.arange(0, BD)
-    m_d = cols < D
+    i_q, b, hk, rows, m_q, cols, m_d, valid, row_off, b_q = _query_block(q, qpos, T, H, HKV, D, BD, BQ)
     m_qd = m_q[:, None] & m_d[None, :]
-    valid = m_q & (tl.load(qpos + b * T + rows, mask=m_q, other=-1) >= 0)
-    row_off = (b.to(tl.int64) * T + rows) * H + h
-    b_q = tl.load(q + row_off[:, None] * D + cols[None, :], mask=m_qd, other=0).to(tl.float32)
     b_do = tl.load(do + row_off[:, None] * D + cols[None, :], mask=m_qd, other=0).to(tl.float32)
     b_lse = tl.load(lse + row_off, mask=m_q, other=0)
     b_delta = tl.load(delta + row_off, mask=m_q, other=0)
@@ -156,10 +158,8 @@ def _window_bwd_kernel(
         kp = tl.load(spos + b.to(tl.int64) * Ls + r, mask=m_r, other=-1)
         b_k = tl.load(ks + kv_off[:, None] * D + cols[None, :], mask=m_rd, other=0).to(tl.float32)
         b_v = tl.load(vs + kv_off[:, None] * D + cols[None, :], mask=m_rd, other=0).to(tl.float32)
-        s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC) * scale
         seen = valid[:, None] & (r[None, :] <= me[:, None]) & (r[None, :] > me[:, None] - W) & (kp[None, :] >= 0)
-        p = tl.where(seen, tl.exp(s - b_lse[:, None]), 0.0)
-        ds = p * (tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PREC) - b_delta[:, None]) * scale
+        p, ds = _attend_backward(b_q, b_do, b_k, b_v, seen, b_lse, b_delta, scale, DOT_PREC)
         b_dq += tl.dot(ds, b_k, input_precision=DOT_PREC)
         tl.atomic_add(dks + kv_off[:, None] * D + cols[None, :],
                       tl.dot(tl.trans(ds), b_q, input_precision=DOT_PREC), mask=m_rd)
@@ -180,10 +180,8 @@ def _window_bwd_kernel(
             at = (row_c + c)[:, None] * D + cols[None, :]
             b_k = tl.load(mk + at, mask=m_kd, other=0).to(tl.float32)
             b_v = tl.load(mv + at, mask=m_kd, other=0).to(tl.float32)
-            s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC) * scale
             seen = valid[:, None] & m_k[None, :] & (c[None, :] <= l_q[:, None]) & (l_q[:, None] < ends[None, :])
-            p = tl.where(seen, tl.exp(s - b_lse[:, None]), 0.0)
-            ds = p * (tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PREC) - b_delta[:, None]) * scale
+            p, ds = _attend_backward(b_q, b_do, b_k, b_v, seen, b_lse, b_delta, scale, DOT_PREC)
             b_dq += tl.dot(ds, b_k, input_precision=DOT_PREC)
             tl.atomic_add(dmk + at, tl.dot(tl.trans(ds), b_q, input_precision=DOT_PREC), mask=m_kd)
             tl.atomic_add(dmv + at, tl.dot(tl.trans(p), b_do, input_precision=DOT_PREC), mask=m_kd)

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from ..aaren.chunk import _ADD, _MAX, device_function, get_kernel
+from .chunk import _softmax_step
 
 _MIN = tl.standard._elementwise_min
 
@@ -73,17 +74,6 @@ def _butterflies(y, R: tl.constexpr, D: tl.constexpr, LOG_D: tl.constexpr):
 
 
 @device_function
-def _softmax_step(m, l_sum, s):
-    """One tile of an online softmax: scores s [R, N] (-inf: not seen) against the running max m and sum l_sum [R].
-    Returns (new max, the factor earlier sums scale by, the tile's weights [R, N], new sum)."""
-    m_new = tl.maximum(m, tl.reduce(s, 1, _MAX))
-    base = tl.where(m_new > float("-inf"), m_new, 0.0)  # nothing seen yet: never -inf - -inf
-    p = tl.exp(s - base[:, None])
-    alpha = tl.exp(m - base)
-    return m_new, alpha, p, l_sum * alpha + tl.reduce(p, 1, _ADD)
-
-
-@device_function
 def _read_entries(mem, mem_scale, e, cols, m_e, D: tl.constexpr, BITS: tl.constexpr):
     """Memory entries e [N, 1] as float32 [N, BD]: stored values, or codes times their scale (``MemoryCodes.decode``
     leaving Hadamard codes rotated): 4 bits two to a byte, the first half of the vector in the low nibbles."""
@@ -125,8 +115,8 @@ def _window_step_kernel(
     mem_k, mem_v, mem_k_scale, mem_v_scale, mem_pos, mem_score,
     scale,
     H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-    LOG_BD: tl.constexpr, ROT: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, S: tl.constexpr, M: tl.constexpr, BM: tl.constexpr,
-    MP: tl.constexpr, BITS: tl.constexpr, ROTATE: tl.constexpr, SATURATE: tl.constexpr,
+    LOG_BD: tl.constexpr, ROT: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, S: tl.constexpr, M: tl.constexpr,
+    BM: tl.constexpr, MP: tl.constexpr, BITS: tl.constexpr, ROTATE: tl.constexpr, SATURATE: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     WP: tl.constexpr = W - 1  # window entries held
@@ -178,7 +168,8 @@ def _window_step_kernel(
             at_s = ((b * S + i) * HKV + hk) * D
             sp = tl.where(p == i, p, tl.load(sink_pos + b * S + i))
             sk = _rotated(sink_k, at_s, True, cols, cs, ss, D, ROT)
-            sv = tl.where(p == i, v_new.to(tl.float32), tl.load(sink_v + at_s + cols, mask=m_d, other=0).to(tl.float32))
+            sv = tl.load(sink_v + at_s + cols, mask=m_d, other=0).to(tl.float32)
+            sv = tl.where(p == i, v_new.to(tl.float32), sv)
             s_i = tl.reduce(qr * sk, 1, _ADD) * scale
             spg = sp + 0 * g
             s_i = tl.where((spg >= 0) & (spg <= p - W), s_i[:, None], float("-inf"))
@@ -225,6 +216,7 @@ def _window_step_kernel(
             first = ((b * WP) * HKV + hk) * D + cols
             leaving = tl.load(tl.where(two == 0, win_k, win_v) + first, mask=m_d & (two < 2), other=0)
             e = row * M + slot
+            tl.debug_barrier()  # every thread past its reads of the memory before the slot is written
             if BITS == 0:
                 tl.store(tl.where(two == 0, mem_k, mem_v) + e * D + cols, leaving, mask=enters & m_d)
             else:  # key and value coded together, as encode codes stack([k, v])
@@ -285,8 +277,8 @@ def window_step_triton(q, k, v, pos, angles, sink_turn, state, retention, window
         t["window_k"], t["window_v"], t["window_pos"], t.get("window_score", dummy), t["sink_k"], t["sink_v"],
         t["sink_pos"], t.get("memory_k", dummy), t.get("memory_v", dummy), t.get("memory_k_scale", dummy),
         t.get("memory_v_scale", dummy), t.get("memory_pos", dummy), t.get("memory_score", dummy), float(scale),
-        H=H, HKV=Hkv, G=G, BG=triton.next_power_of_2(G), D=D, BD=BD, LOG_BD=BD.bit_length() - 1, ROT=cos_t.shape[-1], W=W,
-        BW=triton.next_power_of_2(W), S=S, M=M, BM=min(64, triton.next_power_of_2(max(M, 1))),
+        H=H, HKV=Hkv, G=G, BG=triton.next_power_of_2(G), D=D, BD=BD, LOG_BD=BD.bit_length() - 1, ROT=cos_t.shape[-1],
+        W=W, BW=triton.next_power_of_2(W), S=S, M=M, BM=min(64, triton.next_power_of_2(max(M, 1))),
         MP=triton.next_power_of_2(max(M, 1)), BITS=bits or 0, ROTATE=bool(rotate and bits),
         SATURATE=stored == torch.float16 and k.dtype != torch.float16, enable_fp_fusion=False)
     return out.to(q.dtype)
