@@ -331,3 +331,29 @@ def kernel_beside_reference(mixer, x, mask, pos, monkeypatch, name, prompt=3, ro
     monkeypatch.setattr(modeling, name, kernel)
     assert any(served), f"{name} never served a step"
     return with_kernel
+
+
+# more mixers for the decode-step kernels' tests: the default recipe's kind (4 slots, learned decay, GQA, rotated
+# 4-bit memory codes) at a real head size; 8-bit codes
+STEP_CASES = {
+    "default_like_d64": dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, window_size=5,
+                             num_sink_tokens=1, memory_size=6, memory_bits=4, memory_hadamard=True,
+                             num_query_slots=4, decay="learned"),
+    "int8_d64": dict(hidden_size=128, num_attention_heads=2, window_size=3, num_sink_tokens=2, memory_size=4,
+                     memory_bits=8),
+}
+
+
+def step_inputs(model, T, gaps, seed=5):
+    """(x, mask, pos) to feed a model's mixers token by token (:func:`kernel_beside_reference`): batch 2, row 1
+    padding over the slices ``gaps``. Zeroes kv head 0's retention weights, so its scores all tie and the memory's
+    tie rule runs too."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if hasattr(layer.mixer, "retention_proj"):
+                layer.mixer.retention_proj.weight[0] = 0.0
+    x = torch.randn(2, T, model.config.hidden_size, generator=torch.Generator().manual_seed(seed)) * 2
+    mask = torch.ones(2, T, dtype=torch.bool)
+    for gap in gaps:
+        mask[1, gap] = False
+    return x, mask, (mask.long().cumsum(1) - 1).masked_fill(~mask, -1)

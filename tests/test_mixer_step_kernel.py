@@ -11,22 +11,13 @@ import torch
 from aaren_hf.kernels import cbuild
 from aaren_hf.kernels import mixer as mixer_kernel
 from aaren_hf.modeling_aaren import AarenLayerState
-from helpers import MIXER_CASES, kernel_beside_reference, tiny_model
+from helpers import MIXER_CASES, STEP_CASES, kernel_beside_reference, step_inputs, tiny_model
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                 reason="no C compiler: the mixer runs the PyTorch step (tested in test_model.py)")
 
 ROUNDED = ("aaren_o", "aaren_lse")
 WINDOW_CASES = [c for c, kw in MIXER_CASES.items() if kw.get("window_size")]
-# the default recipe's kind of mixer (4 slots, learned decay, GQA, rotated 4-bit memory codes; 8-bit ones) at a real
-# head size
-EXTRA = {
-    "default_like_d64": dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, window_size=5,
-                             num_sink_tokens=1, memory_size=6, memory_bits=4, memory_hadamard=True,
-                             num_query_slots=4, decay="learned"),
-    "int8_d64": dict(hidden_size=128, num_attention_heads=2, window_size=3, num_sink_tokens=2, memory_size=4,
-                     memory_bits=8),
-}
 
 
 def test_the_kernel_builds():
@@ -37,7 +28,7 @@ def test_the_kernel_builds():
 def test_kernel_step_with_padding_inside_a_row(case, monkeypatch):
     """Row 1 is padding for a few decode steps (the Aaren state must not move), scores large enough that a decay or
     a missed stabiliser shows; every mixer of the test cases."""
-    model = tiny_model(**MIXER_CASES.get(case, {}), **EXTRA.get(case, {}))
+    model = tiny_model(**MIXER_CASES.get(case, {}), **STEP_CASES.get(case, {}))
     B, T = 2, 30
     x = torch.randn(B, T, model.config.hidden_size, generator=torch.Generator().manual_seed(7)) * 3
     mask = torch.ones(B, T, dtype=torch.bool)
@@ -50,23 +41,16 @@ def test_kernel_step_with_padding_inside_a_row(case, monkeypatch):
 
 
 @pytest.mark.parametrize("kv_cache_dtype", [None, "bfloat16"])
-@pytest.mark.parametrize("case", WINDOW_CASES + list(EXTRA))
+@pytest.mark.parametrize("case", WINDOW_CASES + list(STEP_CASES))
 def test_kernel_step_equals_pytorch_step(case, kv_cache_dtype, monkeypatch):
     """Two states fed the same tokens one at a time, through the kernel and through the PyTorch steps, long enough
     that the memory fills and then trades entries (random retention scores; kv head 0's all tie, so the tie rule
     runs too); from the first steps on (tokens that fill sinks or still see them in the window), and with a row that
     starts with padding."""
-    kwargs = {"kv_cache_dtype": kv_cache_dtype, **MIXER_CASES.get(case, {}), **EXTRA.get(case, {})}
+    kwargs = {"kv_cache_dtype": kv_cache_dtype, **MIXER_CASES.get(case, {}), **STEP_CASES.get(case, {})}
     model = tiny_model(**kwargs)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            if hasattr(layer.mixer, "retention_proj"):
-                layer.mixer.retention_proj.weight[0] = 0.0
-    B, T = 2, 40
-    x = torch.randn(B, T, model.config.hidden_size, generator=torch.Generator().manual_seed(5)) * 2
-    mask = torch.ones(B, T, dtype=torch.bool)
-    mask[1, :6] = False  # left padding: row 1's first decode steps are padding, then tokens that fill the sinks
-    pos = (mask.long().cumsum(1) - 1).masked_fill(~mask, -1)
+    # left padding: row 1's first decode steps are padding, then tokens that fill the sinks
+    x, mask, pos = step_inputs(model, 40, [slice(0, 6)])
     for mixer in [layer.mixer for layer in model.model.layers if layer.mixer.window > 1]:
         with_kernel = kernel_beside_reference(mixer, x, mask, pos, monkeypatch, "mixer_step_cpu", rounded=ROUNDED)
         if mixer.memory_size:  # the memory did fill, and trade entries
@@ -84,7 +68,7 @@ def test_whole_model_decodes_as_the_reference(case, monkeypatch):
     import aaren_hf.modeling_aaren as modeling
     from aaren_hf.modeling_aaren import AarenCache
 
-    kwargs = {**MIXER_CASES.get(case, {}), **EXTRA.get(case, {})}
+    kwargs = {**MIXER_CASES.get(case, {}), **STEP_CASES.get(case, {})}
     if case == "default_like_d64":
         kwargs["memory_shared_layer"] = 0
     model = tiny_model(**kwargs)

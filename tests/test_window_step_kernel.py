@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import aaren_hf.modeling_aaren as modeling
-from helpers import MIXER_CASES, kernel_beside_reference, tiny_model
+from helpers import MIXER_CASES, STEP_CASES, kernel_beside_reference, step_inputs, tiny_model
 
 pytest.importorskip("triton")
 if modeling.fused_window_step is None:
@@ -18,14 +18,7 @@ if modeling.fused_window_step is None:
 # and rotary bases
 CASES = ["window_sinks", "partial_rotary", "gqa_slots_window", "memory_learned", "memory_kv_bf16", "memory_int8",
          "memory_int4_gqa", "memory_int4_hadamard", "gemma_block", "default_like_d64", "fp16_cache"]
-EXTRA = {  # the default recipe's kind of mixer at a real head size; 8-bit codes; a float16 cache
-    "default_like_d64": dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, window_size=5,
-                             num_sink_tokens=1, memory_size=6, memory_bits=4, memory_hadamard=True,
-                             num_query_slots=4, decay="learned"),
-    "int8_d64": dict(hidden_size=128, num_attention_heads=2, window_size=3, num_sink_tokens=2, memory_size=4,
-                     memory_bits=8),
-    "fp16_cache": dict(window_size=4, num_sink_tokens=1, memory_size=3, kv_cache_dtype="float16"),
-}
+EXTRA = dict(STEP_CASES, fp16_cache=dict(window_size=4, num_sink_tokens=1, memory_size=3, kv_cache_dtype="float16"))
 
 
 def as_a_gpu(monkeypatch):
@@ -41,16 +34,7 @@ def test_triton_step_equals_pytorch_step(case, monkeypatch):
     starts with padding and is padding again for a few steps."""
     as_a_gpu(monkeypatch)
     model = tiny_model(chunk_size=16, **MIXER_CASES.get(case, {}), **EXTRA.get(case, {}))
-    with torch.no_grad():
-        for layer in model.model.layers:
-            if hasattr(layer.mixer, "retention_proj"):
-                layer.mixer.retention_proj.weight[0] = 0.0
-    B, T = 2, 24
-    x = torch.randn(B, T, model.config.hidden_size, generator=torch.Generator().manual_seed(5)) * 2
-    mask = torch.ones(B, T, dtype=torch.bool)
-    mask[1, :6] = False
-    mask[1, 14:17] = False
-    pos = (mask.long().cumsum(1) - 1).masked_fill(~mask, -1)
+    x, mask, pos = step_inputs(model, 24, [slice(0, 6), slice(14, 17)])
     for mixer in [layer.mixer for layer in model.model.layers if layer.mixer.window > 1]:
         with_kernel = kernel_beside_reference(mixer, x, mask, pos, monkeypatch, "fused_window_step")
         if mixer.memory_size:  # the memory did fill, and trade entries
