@@ -32,15 +32,15 @@ from .configuration_aaren import AarenConfig
 
 try:  # Triton kernels on CUDA and the C kernels on CPUs, when this package is installed; the PyTorch code in this
     # file serves everywhere else (a checkpoint's own copy of it: nothing else to install)
-    from aaren_hf.kernels import (WINDOW_BLOCK, chunk_aaren, fused_recurrent_aaren, fused_window_attention,
-                                  fused_window_step, select_backend)
+    from aaren_hf.kernels import (WINDOW_BLOCK, chunk_aaren, fused_memory_round, fused_recurrent_aaren,
+                                  fused_window_attention, fused_window_step, select_backend)
     from aaren_hf.kernels.aaren import aaren_scan_cpu
     from aaren_hf.kernels.memory import memory_evict_cpu, memory_round_cpu
     from aaren_hf.kernels.mixer import mixer_step_cpu
 except ImportError:
     chunk_aaren, fused_recurrent_aaren = chunk_aaren_torch, recurrent_aaren_torch
     aaren_scan_cpu = memory_evict_cpu = memory_round_cpu = mixer_step_cpu = None
-    fused_window_attention = fused_window_step = None
+    fused_memory_round = fused_window_attention = fused_window_step = None
 
 
 # With a cache kept (prefill), prompts longer than this go through the model in pieces of this many tokens on a CPU.
@@ -633,11 +633,16 @@ class MemoryCodes:
         return self.round_with_codes(x)[0]
 
     def round_with_codes(self, x: torch.Tensor):
-        """(:meth:`round` of x, :meth:`encode` of x): for a caller that stores the codes too. On a CPU with the
-        aaren_hf package, one C loop (``memory_round_cpu``, kernels/memory) gives the same codes and values bit for
-        bit; this code is its reference."""
+        """(:meth:`round` of x, :meth:`encode` of x): for a caller that stores the codes too. With the aaren_hf
+        package, one C loop on a CPU (``memory_round_cpu``, kernels/memory) or one Triton launch on a GPU
+        (``fused_memory_round``, kernels/memory/codes.py) gives the same codes and values bit for bit; this code is
+        their reference."""
         x = x.float()
-        rounded = None if memory_round_cpu is None else memory_round_cpu(x.detach(), self.bits, self.rotate)
+        rounded = None
+        if fused_memory_round is not None and launch_bound(x.device) and select_backend(x) == "triton":
+            rounded = fused_memory_round(x.detach(), self.bits, self.rotate)
+        elif memory_round_cpu is not None:
+            rounded = memory_round_cpu(x.detach(), self.bits, self.rotate)
         if rounded is None:
             coded = self.encode(x.detach())
             rounded = self.decode(*coded), coded

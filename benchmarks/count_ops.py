@@ -53,6 +53,7 @@ def triton_kernels_as_a_gpu_runs_them(window_kernel: bool):
     not make, uncounted); the operators around them are counted as they run. The C kernels stay off."""
     import aaren_hf.kernels as kernels
     from aaren_hf.kernels.aaren import chunk as scan_chunk, fused_recurrent
+    from aaren_hf.kernels.memory import codes as memory_codes
     from aaren_hf.kernels.window import chunk as window_chunk, fused_recurrent as window_step
 
     real = scan_chunk.get_kernel
@@ -71,7 +72,7 @@ def triton_kernels_as_a_gpu_runs_them(window_kernel: bool):
     triton = lambda x: "triton"  # noqa: E731
     return ([mock.patch.object(kernels, "select_backend", triton), mock.patch.dict(os.environ, TRITON_INTERPRET="1")]
             + [mock.patch.object(m, "get_kernel", get_kernel) for m in (scan_chunk, fused_recurrent, window_chunk,
-                                                                                window_step)]
+                                                                                window_step, memory_codes)]
             + ([mock.patch.object(modeling, "select_backend", triton)] if window_kernel else []))
 
 

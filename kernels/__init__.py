@@ -115,3 +115,12 @@ def fused_window_step(q, k, v, pos, angles, sink_turn, state, retention, window,
 
     return window_step_triton(q, k, v, pos, angles, sink_turn, state, retention, window, sinks, memory_size, bits,
                               rotate, kv_cache_dtype, scale)
+
+
+def fused_memory_round(x, bits, rotate):
+    """``MemoryCodes.round_with_codes`` without its gradient in one Triton launch (``memory/codes.py``; reference:
+    ``MemoryCodes`` in modeling_aaren.py); None where it does not take x. Callers check ``select_backend(x) ==
+    "triton"`` first."""
+    from .memory.codes import memory_round_triton
+
+    return memory_round_triton(x, bits, rotate)

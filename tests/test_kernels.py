@@ -464,11 +464,62 @@ def test_interpreter_after_compiled_import():
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300)
 
 
+@needs_triton
+@pytest.mark.parametrize("rotate", [False, True])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_memory_codes_kernel_is_the_reference_bit_for_bit(bits, rotate, monkeypatch):
+    """round_with_codes in Triton (kernels/memory/codes.py) against its PyTorch reference (encode, then decode): the
+    same codes, scales and values bit for bit, over vectors of every scale (zero, tiny, huge, one channel near
+    float32's largest), widths 2-256 and a leading shape with no rows; through the model's dispatch as a GPU runs it
+    too."""
+    import aaren_hf.modeling_aaren as modeling
+    from aaren_hf.kernels.memory.codes import memory_round_triton
+    from aaren_hf.modeling_aaren import MemoryCodes
+
+    codes_of = MemoryCodes(bits, rotate)
+    gen = torch.Generator().manual_seed(bits + rotate)
+    for shape in ((2, 1, 3, 37, 64), (5, 2), (9, 256), (4, 0, 16)):
+        x = torch.randn(*shape, generator=gen) * torch.logspace(-30, 30, 11)[torch.randint(0, 11, shape[:-1] + (1,),
+                                                                                              generator=gen)]
+        if x.numel():
+            rows = x.view(-1, shape[-1])
+            rows[0], rows[-1, 0] = 0.0, 3e38
+        got = memory_round_triton(x, bits, rotate)
+        want = codes_of.encode(x)
+        assert torch.equal(got[1][0], want[0]) and torch.equal(got[1][1], want[1]), shape
+        assert torch.equal(got[0], codes_of.decode(*want)), shape
+        ran = []
+        with monkeypatch.context() as m:
+            m.setattr(modeling, "launch_bound", lambda device: True)
+            m.setattr(modeling, "fused_memory_round", lambda *a: ran.append(1) or memory_round_triton(*a))
+            back, coded = codes_of.round_with_codes(x)
+        assert ran and torch.equal(back, got[0]) and torch.equal(coded[0], got[1][0])
+    assert memory_round_triton(torch.randn(3, 6), bits, rotate) is None  # not a power of 2: the reference's
+
+
+@pytest.mark.requires_gpu
+def test_gpu_memory_codes_kernel_is_the_reference_bit_for_bit():
+    """The compiled kernel against the reference on the same GPU: codes, scales and values bit for bit (correctly
+    rounded divisions, no contraction into an fma anywhere they could differ)."""
+    from aaren_hf.kernels.memory.codes import memory_round_triton
+    from aaren_hf.modeling_aaren import MemoryCodes
+
+    gen = torch.Generator().manual_seed(0)
+    for bits, rotate in ((8, False), (8, True), (4, False), (4, True)):
+        x = torch.randn(3, 1000, 64, generator=gen) * torch.logspace(-30, 30, 11)[torch.randint(0, 11, (3, 1000, 1),
+                                                                                                 generator=gen)]
+        x = x.cuda()
+        got, want = memory_round_triton(x, bits, rotate), MemoryCodes(bits, rotate).encode(x)
+        assert torch.equal(got[1][0], want[0]) and torch.equal(got[1][1], want[1]), (bits, rotate)
+        assert torch.equal(got[0], MemoryCodes(bits, rotate).decode(*want)), (bits, rotate)
+
+
 AOT_SM90 = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 from aaren_hf.kernels.aaren import chunk, fused_recurrent
+from aaren_hf.kernels.memory import codes as memory_codes
 from aaren_hf.kernels.window import chunk as window_chunk, fused_recurrent as window_step
 
 def aot(fn, sig, consts, **options):
@@ -503,6 +554,9 @@ for consts, mem in ((c, "*u8"), (dict(c, D=128, BD=128, LOG_BD=7, G=4, H=12, BIT
                     (dict(c, D=96, BD=128, LOG_BD=7, ROT=48, M=16, BM=16, MP=16, BITS=0, ROTATE=False), B)):
     aot(window_step._window_step_kernel, dict(sig, mem_k=mem, mem_v=mem), consts, num_warps=4, num_stages=1,
         enable_fp_fusion=False)
+for bits, codes in ((4, "*u8"), (8, "*i8")):
+    aot(memory_codes._round_kernel, dict(x=P, back=P, codes=codes, scale=B, N="i64"),
+        dict(D=64, LOG_D=6, BITS=bits, ROTATE=bits == 4, BN=64), num_warps=4, num_stages=1)
 """
 
 

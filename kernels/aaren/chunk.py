@@ -56,6 +56,7 @@ def _interpreting() -> bool:
 # interpreter recognises these two combine functions and reduces with numpy; compiled code is what tl.sum emits.
 _ADD = tl.standard._sum_combine
 _MAX = tl.standard._elementwise_max
+_MIN = tl.standard._elementwise_min
 _KERNELS = {}
 
 

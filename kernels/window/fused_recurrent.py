@@ -25,19 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..aaren.chunk import _ADD, _MAX, device_function, get_kernel
+from ..aaren.chunk import _ADD, _MIN, device_function, get_kernel
+from ..memory.codes import _bfloat16_grid, _butterflies, _codes, _store_codes
 from .chunk import _softmax_step
-
-_MIN = tl.standard._elementwise_min
-
-
-@device_function
-def _bfloat16_grid(x):
-    """Float32 x rounded to the nearest bfloat16 (ties to even), kept in float32, by integer arithmetic (as
-    ``bfloat16_grid``; any sign); a NaN stays a NaN."""
-    u = x.to(tl.int32, bitcast=True)
-    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) & -0x10000).to(tl.float32, bitcast=True)
-    return tl.where(x != x, x, rounded)
 
 
 @device_function
@@ -64,16 +54,6 @@ def _rotated(x, at, rows, cols, cos, sin, D: tl.constexpr, ROT: tl.constexpr):
 
 
 @device_function
-def _butterflies(y, R: tl.constexpr, D: tl.constexpr, LOG_D: tl.constexpr):
-    """y [R, D] times the +-1 Sylvester-Hadamard matrix, by the butterflies of ``hadamard`` in their order (D =
-    2^LOG_D): pairs (i, i + h) within blocks of 2h, h from D / 2 down to 1."""
-    for i in tl.static_range(LOG_D):  # h = D >> (i + 1); 2^i blocks
-        a, b = tl.split(tl.permute(tl.reshape(y, (R, 1 << i, 2, D >> (i + 1))), (0, 1, 3, 2)))
-        y = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (R, D))
-    return y
-
-
-@device_function
 def _read_entries(mem, mem_scale, e, cols, m_e, D: tl.constexpr, BITS: tl.constexpr):
     """Memory entries e [N, 1] as float32 [N, BD]: stored values, or codes times their scale (``MemoryCodes.decode``
     leaving Hadamard codes rotated): 4 bits two to a byte, the first half of the vector in the low nibbles."""
@@ -86,27 +66,6 @@ def _read_entries(mem, mem_scale, e, cols, m_e, D: tl.constexpr, BITS: tl.conste
         code = tl.load(mem + e * D + cols, mask=m_e & m_d, other=0).to(tl.float32)
         return code * tl.load(mem_scale + e, mask=m_e, other=0).to(tl.float32)
     return tl.load(mem + e * D + cols, mask=m_e & m_d, other=0).to(tl.float32)
-
-
-@device_function
-def _encode(x, mem, mem_scale, e, write, D: tl.constexpr, LOG_D: tl.constexpr, BITS: tl.constexpr,
-            ROTATE: tl.constexpr):
-    """``MemoryCodes.encode`` of the rows x [2, D] (a key and a value, coded together as encode codes
-    stack([k, v])), written to entry e of each row's arrays (pointers mem and mem_scale [2, 1]) where ``write``: the
-    same arithmetic (x / D then the butterflies; the largest magnitude over the largest code, rounded to bfloat16 by
-    integer arithmetic as ``bfloat16_grid`` does; the codes rounded half to even)."""
-    TOP: tl.constexpr = 2 ** (BITS - 1) - 1
-    if ROTATE:
-        x = _butterflies(x / D, 2, D, LOG_D)
-    scale = _bfloat16_grid(tl.math.div_rn(tl.reduce(tl.abs(x), 1, _MAX), tl.full([2], TOP, tl.float32)))[:, None]
-    y = tl.math.div_rn(x, tl.maximum(scale, 1.1754943508222875e-38))
-    codes = tl.minimum(tl.maximum((y + 12582912.0) - 12582912.0, -TOP), TOP)  # + 1.5 * 2^23: rounds half to even
-    tl.store(mem_scale + e, scale.to(tl.bfloat16), mask=write)
-    if BITS == 8:
-        tl.store(mem + e * D + tl.arange(0, D)[None, :], codes.to(tl.int8), mask=write)
-    else:
-        lo, hi = tl.split(tl.permute(tl.reshape((codes + 8).to(tl.int32), (2, 2, D // 2)), (0, 2, 1)))
-        tl.store(mem + e * (D // 2) + tl.arange(0, D // 2)[None, :], (lo | (hi << 4)).to(tl.uint8), mask=write)
 
 
 def _window_step_kernel(
@@ -220,8 +179,10 @@ def _window_step_kernel(
             if BITS == 0:
                 tl.store(tl.where(two == 0, mem_k, mem_v) + e * D + cols, leaving, mask=enters & m_d)
             else:  # key and value coded together, as encode codes stack([k, v])
-                _encode(leaving.to(tl.float32), tl.where(two == 0, mem_k, mem_v),
-                        tl.where(two == 0, mem_k_scale, mem_v_scale), e, enters, D, LOG_BD, BITS, ROTATE)
+                c, sc = _codes(leaving.to(tl.float32), 2, D, LOG_BD, BITS, ROTATE)
+                tl.store(tl.where(two == 0, mem_k_scale, mem_v_scale) + e, sc.to(tl.bfloat16), mask=enters)
+                _store_codes(c, tl.where(two == 0, mem_k, mem_v) + e * (D // 2 if BITS == 4 else D), enters, 2, D,
+                             BITS)
             tl.store(mem_pos + e + 0 * two, p0 + 0 * two, mask=enters & (two == 0))
             tl.store(mem_score + e + 0 * two, s0 + 0 * two, mask=enters & (two == 0))
             next_score = tl.load(win_score + (b * WP + j + 1) * HKV + hk, mask=j + 1 < WP, other=0)
