@@ -2,7 +2,8 @@
 for training and prefill in Triton (``window/chunk.py``, ``fused_window_attention``; reference: the PyTorch path of
 ``window_attention`` in modeling_aaren.py, which takes it where ``select_backend`` says Triton on a launch-bound
 device) and its decode step in Triton (``window/fused_recurrent.py``, ``fused_window_step``; reference:
-``AarenMixer.window_step``, likewise).
+``AarenMixer.window_step``, likewise); the memory's codes in Triton (``memory/codes.py``, ``fused_memory_round``;
+reference: ``MemoryCodes.round_with_codes``, likewise).
 
     o, final_state = chunk_aaren(s, v, g=None, initial_state=None, output_final_state=False, cu_seqlens=None,
                                  chunk_size=64)

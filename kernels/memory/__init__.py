@@ -1,5 +1,6 @@
-"""The memory tier on a CPU, in C, where ``modeling_aaren.py`` holds the reference, which runs everywhere else (CUDA,
-no compiler, ``AAREN_BACKEND=torch``, a checkpoint's own copy of the code):
+"""The memory tier's kernels; ``modeling_aaren.py`` holds the reference, which runs wherever they do not (no
+compiler, ``AAREN_BACKEND=torch``, a checkpoint's own copy of the code; the ranking on CUDA). On a GPU, the codes in
+Triton (``codes.py``: ``fused_memory_round`` in ``aaren_hf.kernels``, and the decode step's coding). On a CPU, in C:
 
 - ``memory_evict_cpu`` (``evict.c``): when each candidate leaves the memory, for ``memory_visibility``, whose block
   sweep is the reference. Same indices, exactly (tests/test_model.py runs the brute-force check on both); a heap per
