@@ -53,7 +53,8 @@ def _interpreting() -> bool:
 # Reductions go through tl.reduce / tl.associative_scan with triton's own combine functions instead of tl.sum,
 # tl.max, tl.cumsum (and tl.zeros, tl.cdiv are avoided): those are @jit functions decorated when triton is imported,
 # so if triton was imported before TRITON_INTERPRET=1 was set, an interpreted kernel can't call them. The
-# interpreter recognises these two combine functions and reduces with numpy; compiled code is what tl.sum emits.
+# interpreter recognises these combine functions and reduces with numpy; compiled code is what tl.sum emits. Helpers
+# kernels call are ``device_function``s, for the same reason.
 _ADD = tl.standard._sum_combine
 _MAX = tl.standard._elementwise_max
 _MIN = tl.standard._elementwise_min
