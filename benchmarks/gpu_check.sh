@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # One prepared pass on a CUDA machine: the GPU-only tests (compiled Triton kernels against float64 and the PyTorch
 # path; the model on CUDA against float64 and its own decode), then the whole model against its teacher
-# (bench_model.py: prefill, generate and train steps at the shapes of issue 12, bf16), then the window attention
-# kernel against the path it replaced (bench_window.py) and the scan's kernel benchmark at B=1. Runs from a
-# checkout with whatever torch/triton the machine has: the checkout is installed (no dependencies) into a folder of
-# its own under LOG_DIR, and Python runs as with -P (PYTHONSAFEPATH), so the repository root is never on sys.path
-# and its kernels/ folder cannot pose as the `kernels` package (docs/layout.md).
+# (bench_model.py: prefill, generate and train steps at the shapes of issue 12, bf16), then the window branch's
+# kernels (attention, decode step) against the paths they replaced (bench_window.py) and the scan's kernel benchmark
+# at B=1. Runs from a checkout with whatever torch/triton the machine has: the checkout is installed (no dependencies)
+# into a folder of its own under LOG_DIR, and Python runs as with -P (PYTHONSAFEPATH), so the repository root is never
+# on sys.path and its kernels/ folder cannot pose as the `kernels` package (docs/layout.md).
 #
 #     bash benchmarks/gpu_check.sh [LOG_DIR]        # logs + bench JSON in LOG_DIR (default /tmp/aaren_gpu_check)
 #
@@ -43,7 +43,7 @@ timeout 120 python3 -m pytest -q -p no:cacheprovider -m requires_gpu -rA tests/t
 # whole model vs teacher (SmolLM2-135M shape, random weights, bf16): tokens/s, peak memory and ratios in one run;
 # prefill and generate first (with a profile of the decode step), train steps in a second process, so that a
 # train shape that does not fit cannot cost the other rows
-timeout 200 python3 benchmarks/bench_model.py --device cuda --train none --repeats 2 --steps 16 --profile \
+timeout 180 python3 benchmarks/bench_model.py --device cuda --train none --repeats 2 --steps 16 --profile \
   --json "$LOG/bench_model.json" 2>&1 | tee "$LOG/bench_model.log" | grep -v "^\["
 # the same 16K prefill in the CPU's 2,048-token pieces: what prefill_piece gains on this GPU, in one run
 timeout 40 python3 benchmarks/bench_model.py --device cuda --models aaren --prompts 16k --generate none --train none \
@@ -51,8 +51,8 @@ timeout 40 python3 benchmarks/bench_model.py --device cuda --models aaren --prom
 timeout 100 python3 benchmarks/bench_model.py --device cuda --prompts none --generate none --repeats 2 --profile \
   --json "$LOG/bench_model_train.json" 2>&1 | tee "$LOG/bench_model_train.log" | grep -v "^\["
 
-# the window branch's attention: its Triton kernel against the gather + SDPA path it replaced, in one run
-timeout 40 python3 benchmarks/bench_window.py --min-time 0.2 --json "$LOG/bench_window.json" 2>&1 \
+# the window branch: its Triton kernels (attention; the decode step) against the PyTorch paths they replaced, in one run
+timeout 60 python3 benchmarks/bench_window.py --min-time 0.2 --json "$LOG/bench_window.json" 2>&1 \
   | tee "$LOG/bench_window.log"
 timeout 40 python3 benchmarks/bench_kernels.py --seqlens 2048 16384 65536 --min-time 0.2 --decode-batches 1 64 \
   --json "$LOG/bench_b1.json" 2>&1 | tee "$LOG/bench_b1.log"
