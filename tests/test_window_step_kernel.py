@@ -76,4 +76,5 @@ def test_gpu_window_step_equals_pytorch_step(monkeypatch):
     pos = (mask.long().cumsum(1) - 1).masked_fill(~mask, -1)
     mixer = model.model.layers[0].mixer
     state = kernel_beside_reference(mixer, x, mask, pos, monkeypatch, "fused_window_step", prompt=40, tol=1e-2)
-    assert int(state.memory_pos.min()) >= 0 and int(state.memory_pos.max()) > 1 + 64 + 448
+    # full, and trading: an entry past the first S + M eligible positions took a slot from an earlier one
+    assert int(state.memory_pos.min()) >= 0 and int(state.memory_pos.max()) > 1 + 448
