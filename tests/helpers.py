@@ -357,3 +357,17 @@ def step_inputs(model, T, gaps, seed=5):
     for gap in gaps:
         mask[1, gap] = False
     return x, mask, (mask.long().cumsum(1) - 1).masked_fill(~mask, -1)
+
+
+def code_test_vectors(seed):
+    """Vectors for checking a memory-codes kernel against ``MemoryCodes``: shapes with widths 2-256 and a leading
+    shape with no rows, each vector scaled by one of 1e-30 .. 1e30, then a zero vector and a channel near float32's
+    largest."""
+    gen = torch.Generator().manual_seed(seed)
+    for shape in ((2, 1, 3, 37, 64), (5, 2), (9, 256), (4, 0, 16)):
+        x = torch.randn(*shape, generator=gen)
+        x = x * torch.logspace(-30, 30, 11)[torch.randint(0, 11, shape[:-1] + (1,), generator=gen)]
+        if x.numel():
+            rows = x.view(-1, shape[-1])
+            rows[0], rows[-1, 0] = 0.0, 3e38
+        yield x

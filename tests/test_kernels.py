@@ -475,19 +475,14 @@ def test_memory_codes_kernel_is_the_reference_bit_for_bit(bits, rotate, monkeypa
     import aaren_hf.modeling_aaren as modeling
     from aaren_hf.kernels.memory.codes import memory_round_triton
     from aaren_hf.modeling_aaren import MemoryCodes
+    from helpers import code_test_vectors
 
     codes_of = MemoryCodes(bits, rotate)
-    gen = torch.Generator().manual_seed(bits + rotate)
-    for shape in ((2, 1, 3, 37, 64), (5, 2), (9, 256), (4, 0, 16)):
-        x = torch.randn(*shape, generator=gen) * torch.logspace(-30, 30, 11)[torch.randint(0, 11, shape[:-1] + (1,),
-                                                                                              generator=gen)]
-        if x.numel():
-            rows = x.view(-1, shape[-1])
-            rows[0], rows[-1, 0] = 0.0, 3e38
+    for x in code_test_vectors(bits + rotate):
         got = memory_round_triton(x, bits, rotate)
         want = codes_of.encode(x)
-        assert torch.equal(got[1][0], want[0]) and torch.equal(got[1][1], want[1]), shape
-        assert torch.equal(got[0], codes_of.decode(*want)), shape
+        assert torch.equal(got[1][0], want[0]) and torch.equal(got[1][1], want[1]), tuple(x.shape)
+        assert torch.equal(got[0], codes_of.decode(*want)), tuple(x.shape)
         ran = []
         with monkeypatch.context() as m:
             m.setattr(modeling, "launch_bound", lambda device: True)

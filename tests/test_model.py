@@ -859,15 +859,10 @@ def test_memory_codes_in_c_are_the_references_bit_for_bit(bits, rotate, monkeypa
     widths 2-256 and leading shapes with no rows; and round_with_codes gives the same whichever of the two runs."""
     from aaren_hf.kernels.memory import memory_round_cpu
     from aaren_hf.modeling_aaren import MemoryCodes
+    from helpers import code_test_vectors
 
     codes_of = MemoryCodes(bits, rotate)
-    gen = torch.Generator().manual_seed(bits + rotate)
-    for shape in ((2, 1, 3, 37, 64), (5, 2), (9, 256), (4, 0, 16)):
-        x = torch.randn(*shape, generator=gen) * torch.logspace(-30, 30, 11)[torch.randint(0, 11, shape[:-1] + (1,),
-                                                                                              generator=gen)]
-        if x.numel():
-            rows = x.view(-1, shape[-1])
-            rows[0], rows[-1, 0] = 0.0, 3e38  # a zero vector; a channel near float32's largest
+    for x in code_test_vectors(bits + rotate):
         got = memory_round_cpu(x, bits, rotate)
         assert got is not None, "the C kernel did not run"
         want_codes = codes_of.encode(x)
