@@ -65,6 +65,12 @@ def launch_bound(device: torch.device) -> bool:
     return device.type != "cpu"
 
 
+def takes_triton(kernel, x: torch.Tensor) -> bool:
+    """Whether ``kernel`` (one of this package's Triton kernels, None without the package) serves tensors like x:
+    a launch-bound device whose backend is Triton (CUDA; a CPU in Triton's interpreter when tests say so)."""
+    return kernel is not None and launch_bound(x.device) and select_backend(x) == "triton"
+
+
 def prefill_piece(batch: int, device: torch.device) -> int:
     """Tokens per sequence in each piece of a prefill: activations stay bounded at any prompt length."""
     return max(PREFILL_CHUNK, PREFILL_TOKENS_GPU // batch) if launch_bound(device) else PREFILL_CHUNK
@@ -338,7 +344,7 @@ def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sin
     B, T, H, D = q.shape
     Hkv = k.shape[2]
     G, W, S = H // Hkv, window, sink_k.shape[1]
-    if fused_window_attention is not None and launch_bound(q.device) and select_backend(q) == "triton":
+    if takes_triton(fused_window_attention, q):
         return _window_attention_fused(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sink_pos, window,
                                        inv_freq, scale, memory)
     k_all = torch.cat([k_prev.to(k.dtype), k], 1)
@@ -639,7 +645,7 @@ class MemoryCodes:
         their reference."""
         x = x.float()
         rounded = None
-        if fused_memory_round is not None and launch_bound(x.device) and select_backend(x) == "triton":
+        if takes_triton(fused_memory_round, x):
             rounded = fused_memory_round(x.detach(), self.bits, self.rotate)
         elif memory_round_cpu is not None:
             rounded = memory_round_cpu(x.detach(), self.bits, self.rotate)
@@ -1133,7 +1139,7 @@ class AarenMixer(nn.Module):
         B, _, Hkv, D = k.shape
         H, W, S, M = self.num_heads, self.window, self.num_sinks, self.memory_size
         (cos, sin), sink_angles = self.step_angles(pos, shared)
-        if fused_window_step is not None and launch_bound(q.device) and select_backend(q) == "triton":
+        if takes_triton(fused_window_step, q):
             codes = self.memory_codes
             out = fused_window_step(q, k, v, pos, (cos, sin), sink_angles, state, retention, W, S, M,
                                     codes and codes.bits, bool(codes and codes.rotate), self.kv_cache_dtype,
