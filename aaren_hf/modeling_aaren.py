@@ -32,15 +32,15 @@ from .configuration_aaren import AarenConfig
 
 try:  # Triton kernels on CUDA and the C kernels on CPUs, when this package is installed; the PyTorch code in this
     # file serves everywhere else (a checkpoint's own copy of it: nothing else to install)
-    from aaren_hf.kernels import (WINDOW_BLOCK, chunk_aaren, fused_memory_round, fused_recurrent_aaren,
-                                  fused_window_attention, fused_window_step, select_backend)
+    from aaren_hf.kernels import (WINDOW_BLOCK, chunk_aaren, fused_chunk_aaren_mixed, fused_memory_round,
+                                  fused_recurrent_aaren, fused_window_attention, fused_window_step, select_backend)
     from aaren_hf.kernels.aaren import aaren_scan_cpu
     from aaren_hf.kernels.memory import memory_evict_cpu, memory_round_cpu
     from aaren_hf.kernels.mixer import mixer_step_cpu
 except ImportError:
     chunk_aaren, fused_recurrent_aaren = chunk_aaren_torch, recurrent_aaren_torch
     aaren_scan_cpu = memory_evict_cpu = memory_round_cpu = mixer_step_cpu = None
-    fused_memory_round = fused_window_attention = fused_window_step = None
+    fused_chunk_aaren_mixed = fused_memory_round = fused_window_attention = fused_window_step = None
 
 
 # With a cache kept (prefill), prompts longer than this go through the model in pieces of this many tokens on a CPU.
@@ -277,7 +277,26 @@ def rotate(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.
     """Rotary embedding (rotate-half convention) on the first 2 * len(inv_freq) channels. x [B, T, h, D], pos [B, T]."""
     if inv_freq.shape[0] == 0:
         return x
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _Rotate.apply(x, pos, inv_freq)
     return rotate_by(x, *rotary_angles(pos, inv_freq))
+
+
+class _Rotate(torch.autograd.Function):
+    """:func:`rotate` whose backward turns the gradient back by the same angles, computed again from the positions:
+    training keeps no cos and sin (two float32 [B, T, rot] per call, which autograd would keep for the products).
+    The same gradient bit for bit: the transpose of the rotation is the rotation by -angle."""
+
+    @staticmethod
+    def forward(ctx, x, pos, inv_freq):
+        ctx.save_for_backward(pos, inv_freq)
+        return rotate_by(x, *rotary_angles(pos, inv_freq))
+
+    @staticmethod
+    def backward(ctx, grad):
+        pos, inv_freq = ctx.saved_tensors
+        cos, sin = rotary_angles(pos, inv_freq)
+        return rotate_by(grad, cos, -sin), None, None
 
 
 def rotary_angles(pos: torch.Tensor, inv_freq: torch.Tensor):
@@ -991,6 +1010,10 @@ class AarenMixer(nn.Module):
             if scanned is None:
                 scanned = chunk_aaren_mixed(s, v, mix, g, carried, state is not None, chunk_size=self.chunk_size)
             o, final = scanned
+        elif mix is not None and T > 1 and takes_triton(fused_chunk_aaren_mixed, v):
+            # the Triton scan per op head, the slots mixed as below by its op, whose backward forms the mix's
+            # gradient: training keeps no per-slot outputs (J times the mixed output's bytes)
+            o, final = fused_chunk_aaren_mixed(s, v, mix, g, carried, state is not None, self.chunk_size)
         else:
             if not per_op_head:
                 # decoding on the CPU, where a step costs its number of ops: the scan's step applied to the state,

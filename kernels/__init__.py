@@ -2,7 +2,8 @@
 for training and prefill in Triton (``window/chunk.py``, ``fused_window_attention``; reference: the PyTorch path of
 ``window_attention`` in modeling_aaren.py, which takes it where ``select_backend`` says Triton on a launch-bound
 device) and its decode step in Triton (``window/fused_recurrent.py``, ``fused_window_step``; reference:
-``AarenMixer.window_step``, likewise); the memory's codes in Triton (``memory/codes.py``, ``fused_memory_round``;
+``AarenMixer.window_step``, likewise); the scan with the slots mixed (``fused_chunk_aaren_mixed``; reference:
+``aaren_scan.chunk_aaren_mixed``, likewise); the memory's codes in Triton (``memory/codes.py``, ``fused_memory_round``;
 reference: ``MemoryCodes.round_with_codes``, likewise).
 
     o, final_state = chunk_aaren(s, v, g=None, initial_state=None, output_final_state=False, cu_seqlens=None,
@@ -97,6 +98,15 @@ def fused_recurrent_aaren(s, v, g=None, initial_state=None, output_final_state=F
 
 # queries per program of the Triton window attention; the memory's candidate lists it reads are per block of these
 WINDOW_BLOCK = 64
+
+
+def fused_chunk_aaren_mixed(s, v, mix, g=None, initial_state=None, output_final_state=False, chunk_size=64):
+    """The scan as the model reads it, slots mixed, in Triton (``aaren/chunk.py``; reference:
+    ``aaren_scan.chunk_aaren_mixed``, same arguments and results); its backward forms the mix's gradient itself,
+    so training keeps no per-slot output. Callers check ``select_backend(v) == "triton"`` first."""
+    from .aaren.chunk import chunk_aaren_mixed_triton
+
+    return chunk_aaren_mixed_triton(s, v, mix, g, initial_state, output_final_state, chunk_size)
 
 
 def fused_window_attention(q, qpos, ks, vs, spos, P0, window, scale, memory=None, sinks=None):

@@ -389,6 +389,79 @@ def test_chunk_aaren_mixed_equals_the_scan_per_slot_then_mixed(case):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
 
 
+@needs_triton
+@pytest.mark.parametrize("segments", [1, 3])
+@pytest.mark.parametrize("case", MIXED_CASES, ids=lambda c: "B{}-T{}-Hkv{}-G{}-J{}-D{}-C{}-decay{}-h0{}".format(*c))
+def test_triton_mixed_scan_equals_chunk_aaren_mixed(case, segments):
+    """The GPU's read of the scan in training (``fused_chunk_aaren_mixed``: the Triton scan per op head, its slots
+    mixed after it, the mix's gradient formed inside its backward from the mixed output's) against its reference
+    chunk_aaren_mixed in float64: output, final state and every gradient, the mix's included. Row 0 starts with
+    masked tokens, one op head of row 1 is masked throughout; also cut into 3 pieces (the split a GPU takes from 8K
+    tokens), where the mix enters the second pass only."""
+    mixed_scan_beside_reference(case, segments, "cpu", torch.float64, 1e-4)
+
+
+@pytest.mark.requires_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_mixed_scan_equals_chunk_aaren_mixed(dtype):
+    """The compiled mixed scan at SmolLM2's mixer shape (3 kv heads, 3 query heads each, 4 slots, D = 64) against
+    its float64 reference: one pass, and the split into pieces."""
+    for segments in (1, 4):
+        mixed_scan_beside_reference((2, 1000, 3, 3, 4, 64, 64, True, True), segments, "cuda", dtype,
+                                    1e-3 if dtype == torch.float32 else 3e-2)
+
+
+def mixed_scan_beside_reference(case, segments, device, dtype, tol):
+    from aaren_hf.kernels import fused_chunk_aaren_mixed
+    from aaren_hf.kernels.aaren.chunk import split_chunk_aaren
+
+    B, T, Hkv, G, J, D, C, decay, h0 = case
+    C, HJ = max(C, 16), Hkv * G * J  # the Triton kernels' smallest chunk
+    gen = torch.Generator().manual_seed(13)
+    rnd = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)  # noqa: E731
+    s = rnd(B, T, HJ) * 3
+    s[0, : min(3, T)] = float("-inf")
+    if B > 1:
+        s[1, :, 0] = float("-inf")
+    v, mix = rnd(B, T, Hkv, D), torch.softmax(rnd(B, T, Hkv * G, J), -1)
+    g = F.logsigmoid(2 * rnd(B, T, HJ) + 1).masked_fill(torch.isinf(s), 0.0) if decay else None
+    st = (rnd(B, HJ, D), rnd(B, HJ)) if h0 else None
+    # the reference sees the inputs the kernel sees (rounded to dtype), in float64; mix and state stay float32
+    s, v, g = (None if x is None else x.to(dtype).double() for x in (s, v, g))
+    mix, st = mix.float().double(), None if st is None else tuple(x.float().double() for x in st)
+    inputs = [x.requires_grad_() for x in (s, v, mix) + ((g,) if decay else ()) + (st or ())]
+    weights = (rnd(B, T, Hkv * G, D), rnd(B, HJ, D), rnd(B, HJ))
+
+    def loss(out, final):
+        lse = torch.where(torch.isfinite(final[1]), final[1], 0.0)
+        return ((out.double() * weights[0]).sum() + (final[0].double() * weights[1]).sum()
+                + (lse.double() * weights[2]).sum())
+
+    on_device = [x.detach().to(device).requires_grad_() for x in inputs]
+    s_, v_, mix_ = on_device[0].to(dtype), on_device[1].to(dtype), on_device[2].float()
+    g_ = on_device[3].to(dtype) if decay else None
+    st_ = tuple(x.float() for x in on_device[-2:]) if h0 else None
+    if segments == 1:
+        out, final = fused_chunk_aaren_mixed(s_, v_, mix_, g_, st_, True, C)
+    else:
+        out, final = split_chunk_aaren(s_, v_, g_, st_, True, C, segments, mix_)
+    want, want_final = chunk_aaren_mixed(s, v, mix, g, st, True, chunk_size=C)
+    assert out.shape == want.shape and out.dtype == dtype
+    def close(name, a, b):  # max error within tol of the largest entry (1 at least); -inf (empty lse) where b's is
+        a, b = a.detach().double().cpu(), b.detach()
+        assert a.shape == b.shape and torch.equal(torch.isfinite(a), torch.isfinite(b)), name
+        a, b = a[torch.isfinite(b)], b[torch.isfinite(b)]
+        assert (a - b).abs().max() <= tol * max(b.abs().max().item(), 1.0), (name, (a - b).abs().max().item())
+
+    for name, a, b in zip(("out", "final o", "final lse"), (out, *final), (want, *want_final)):
+        close(name, a, b)
+    got_grads = torch.autograd.grad(loss(out, final), on_device)
+    want_grads = torch.autograd.grad(loss(want, want_final), inputs)
+    names = ("s", "v", "mix") + (("g",) if decay else ()) + (("h0_o", "h0_lse") if h0 else ())
+    for name, a, b in zip(names, got_grads, want_grads):
+        close("d" + name, a, b)
+
+
 @pytest.mark.parametrize("case", MIXED_CASES, ids=lambda c: "B{}-T{}-Hkv{}-G{}-J{}-D{}-C{}-decay{}-h0{}".format(*c))
 @pytest.mark.parametrize("score_scale", [3.0, 1e4])
 def test_aaren_scan_cpu_equals_chunk_aaren_mixed(case, score_scale):
@@ -529,8 +602,10 @@ common = dict(cu_seqlens="*i64", chunk_offsets="*i64", T="i32", s=B, v=B, g=B, l
               ht_lse=P, cs_o=P, cs_lse=P)
 c = dict(H=8, GV=2, D=100, BD=128, C=64, HAS_G=True, HAS_H0=True, IS_VARLEN=True, DOT_PREC="tf32")
 aot(chunk._aaren_chunk_fwd_kernel, dict(common, o=B), dict(c, SAVE_CS=True))
-aot(chunk._aaren_chunk_bwd_kernel, dict(common, do=B, dlse=P, dht_o=P, dht_lse=P, ds=B, dv=B, dg=B, dh0_o=P,
-                                         dh0_lse=P), dict(c, HAS_DHT=True, HAS_DLSE=True))
+for mixed in (False, True):
+    aot(chunk._aaren_chunk_bwd_kernel, dict(common, do=B, dlse=P, dht_o=P, dht_lse=P, mix=P, ds=B, dv=B, dg=B,
+                                             dh0_o=P, dh0_lse=P, dmix=P),
+        dict(c, J=4, HAS_DHT=True, HAS_DLSE=True, HAS_MIX=mixed))
 aot(fused_recurrent._aaren_fused_recurrent_fwd_kernel, dict(common, o=B),
     dict(H=8, GV=2, D=100, BD=128, HAS_G=True, HAS_H0=True, IS_VARLEN=True))
 I = "*i64"

@@ -212,17 +212,22 @@ def test_the_gpu_path_run_on_a_cpu_equals_the_cpu_path(case, monkeypatch):
     call; the ranking sweep, the prefill's pieces and the decode step's angles are the GPU's. Prefill logits, every
     parameter's gradient and token-by-token decoding equal the CPU path's (the interpreter computes in float32)."""
     ids = random_ids(2, 37, seed=3)
-    results = {}
+    results, mixed = {}, []
     for path in ("cpu", "gpu"):
         if path == "gpu":
             monkeypatch.setenv("TRITON_INTERPRET", "1")
             monkeypatch.setattr(modeling, "launch_bound", lambda device: True)
+            if modeling.fused_chunk_aaren_mixed is not None:
+                kernel = modeling.fused_chunk_aaren_mixed
+                monkeypatch.setattr(modeling, "fused_chunk_aaren_mixed", lambda *a: mixed.append(1) or kernel(*a))
         model = tiny_model(seed=0, chunk_size=16, **MIXER_CASES[case])
         logits = model(ids, use_cache=False).logits
         logits.square().sum().backward()
         grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
         results[path] = logits.detach(), grads, incremental_logits(model, ids, pieces=(20,))
     (cpu, cpu_grads, cpu_steps), (gpu, gpu_grads, gpu_steps) = results["cpu"], results["gpu"]
+    # with J > 1 slots training and prefill go through the scan whose backward forms the mix's gradient
+    assert bool(mixed) == (modeling.fused_chunk_aaren_mixed is not None and model.config.num_query_slots > 1)
     torch.testing.assert_close(gpu, cpu, atol=ATOL, rtol=0)
     torch.testing.assert_close(gpu_steps, cpu_steps, atol=ATOL, rtol=0)
     assert gpu_grads.keys() == cpu_grads.keys()
@@ -1280,6 +1285,31 @@ def test_float32_product_of_16_bit_inputs_keeps_them_in_16_bits(dtype):
     assert {d for n, d in kept if n == "plain"} == {torch.float32}
     assert {d for n, d in kept if n == "ours"} == {dtype}
     assert modeling.float32_product(a.float(), b.float()).equal(torch.matmul(a.float(), b.float()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D, rot", [(16, 16), (16, 8), (12, 6)])
+def test_rotate_gives_autograds_gradient_and_keeps_no_angles(dtype, D, rot):
+    """``rotate`` with a gradient (``_Rotate``): the output and the gradient of autograd through ``rotate_by`` bit for
+    bit, full and partial rotary, while backward keeps the positions only, not the float32 cos and sin."""
+    gen = torch.Generator().manual_seed(4)
+    x = (torch.randn(2, 9, 3, D, generator=gen) * 3).to(dtype)
+    pos = torch.randint(0, 5000, (2, 9), generator=gen)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot))
+    grad = torch.randn(2, 9, 3, D, generator=gen).to(dtype)
+    results, kept = {}, []
+    for name, fn in (("autograd", lambda y: modeling.rotate_by(y, *modeling.rotary_angles(pos, inv_freq))),
+                     ("ours", lambda y: modeling.rotate(y, pos, inv_freq))):
+        y = x.clone().requires_grad_(True)
+        keep = lambda t: kept.append((name, t.dtype, t.shape)) or t  # noqa: E731
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            out = fn(y)
+        out.backward(grad)
+        results[name] = out, y.grad
+    for got, want in zip(results["ours"], results["autograd"]):
+        assert torch.equal(got, want)
+    assert (("autograd", torch.float32, (2, 9, 1, rot)) in kept
+            and all(shape in (pos.shape, inv_freq.shape) for name, _, shape in kept if name == "ours"))
 
 
 @pytest.mark.requires_gpu

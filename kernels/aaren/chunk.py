@@ -34,6 +34,11 @@ Grouped values: v may have H / GV heads, each shared by GV consecutive op heads 
 of one kv head); program (n, h) reads value head h // GV, so nothing is copied per op head. The backward writes dv
 per op head (float32) and the host sums each group.
 
+Mixed slots: the model reads op heads (query head, slot j) through out_t = sum_j mix_tj o_tj. Given the mixed
+output's gradient dOut_t, the backward reads it once per query head (op head i_h reads row i_h // J), forms
+<dOut_t, o_tj> as it forms delta_t (that is d mix_tj), and goes on with dO_tj = mix_tj dOut_t. Training keeps no
+per-slot output.
+
 The kernels are plain functions, wrapped by ``get_kernel`` at launch (compiled, or Triton's interpreter when
 TRITON_INTERPRET=1). All loads are converted to fp32 at once (the interpreter gets bf16 arithmetic wrong); the
 dots run in fp32 ("ieee") for fp32/fp64 inputs and tf32 for 16-bit inputs.
@@ -162,12 +167,12 @@ def _aaren_chunk_fwd_kernel(
 
 
 def _aaren_chunk_bwd_kernel(
-    s, v, g, do, dlse, lse, cs_o, cs_lse, h0_o, ht_o, ht_lse, dht_o, dht_lse,
-    ds, dv, dg, dh0_o, dh0_lse, cu_seqlens, chunk_offsets,
+    s, v, g, do, dlse, lse, cs_o, cs_lse, h0_o, ht_o, ht_lse, dht_o, dht_lse, mix,
+    ds, dv, dg, dh0_o, dh0_lse, dmix, cu_seqlens, chunk_offsets,
     T,
-    H: tl.constexpr, GV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, C: tl.constexpr,
+    H: tl.constexpr, GV: tl.constexpr, J: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, C: tl.constexpr,
     HAS_G: tl.constexpr, HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr, HAS_DLSE: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_MIX: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     i_n = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -233,9 +238,18 @@ def _aaren_chunk_bwd_kernel(
 
         m_td = m_t[:, None] & mask_d[None, :]
         b_v = tl.load(v + off_v[:, None] * D + cols[None, :], mask=m_td, other=0).to(tl.float32)
-        b_do = tl.load(do + off[:, None] * D + cols[None, :], mask=m_td, other=0).to(tl.float32)
+        off_do = off
+        if HAS_MIX:  # do is the mixed output's gradient, one row per query head: its J slots read the same row
+            off_do = (bos + t) * (H // J) + i_h // J
+        b_do = tl.load(do + off_do[:, None] * D + cols[None, :], mask=m_td, other=0).to(tl.float32)
         DV = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PREC)  # <dO_t, v_i>
         delta = tl.reduce(P * DV, 1, _ADD) + P0 * tl.reduce(b_do * o_in[None, :], 1, _ADD)  # <dO_t, o_t>
+        if HAS_MIX:  # <dOut_t, o_t> is the mix weight's gradient; this slot's dO_t is mix_t dOut_t
+            tl.store(dmix + off, delta.to(dmix.dtype.element_ty), mask=m_t)
+            b_mx = tl.load(mix + off, mask=m_t, other=0).to(tl.float32)
+            b_do = b_do * b_mx[:, None]
+            DV = DV * b_mx[:, None]
+            delta = delta * b_mx
         if HAS_DLSE:  # a row's lse moves with each of its logits by its weight: delta_t - dlse_t in place of delta_t
             b_dl = tl.where(row_ok, tl.load(dlse + off, mask=m_t, other=0).to(tl.float32), 0.0)
             delta = delta - b_dl
@@ -336,11 +350,13 @@ def chunk_fwd(s, v, g, h0, cu_seqlens, chunk_size, save_cs, layout=None):
     return o, lse, (ht_o, ht_lse), ((cs_o, cs_lse) if save_cs else None)
 
 
-def chunk_bwd(s, v, g, h0, lse, cs, ht, do, dht, cu_seqlens, chunk_size, dlse=None, layout=None):
+def chunk_bwd(s, v, g, h0, lse, cs, ht, do, dht, cu_seqlens, chunk_size, dlse=None, layout=None, mix=None):
+    """With ``mix`` [B, T, H / J, J], do is the gradient of the mixed output [B, T, H / J, D]; returns mix's too."""
     B, T, H, D, n_seq, GV = check_inputs(s, v, g, h0, cu_seqlens)
     offsets, _ = _layout(T, chunk_size, cu_seqlens, n_seq, layout)
+    J = 1 if mix is None else mix.shape[-1]
     if do is None:
-        do = v.new_zeros(B, T, H, D)
+        do = v.new_zeros(B, T, H // J, D)
     has_dht = dht is not None and (dht[0] is not None or dht[1] is not None)
     if has_dht:
         dht = (
@@ -353,45 +369,61 @@ def chunk_bwd(s, v, g, h0, lse, cs, ht, do, dht, cu_seqlens, chunk_size, dlse=No
     dv = torch.empty_like(v) if GV == 1 else torch.empty(B, T, H, D, dtype=torch.float32, device=v.device)
     dg = torch.empty_like(g) if g is not None else None
     dh0 = (torch.empty_like(h0[0]), torch.empty_like(h0[1])) if h0 is not None else None
+    dmix = None if mix is None else torch.empty(B, T, H, dtype=torch.float32, device=v.device)
     # The backward holds more tiles (V, dO, dV; P, dO V^T): more warps keep it in registers (ptxas, sm90, D=128).
     get_kernel(_aaren_chunk_bwd_kernel, warps=(8, 16))[(n_seq, H)](
         s, v, g if g is not None else s, do.contiguous(), dlse.contiguous() if dlse is not None else lse, lse,
         cs[0], cs[1],
         h0[0] if h0 is not None else lse, ht[0], ht[1],
-        dht[0] if has_dht else lse, dht[1] if has_dht else lse,
+        dht[0] if has_dht else lse, dht[1] if has_dht else lse, mix if mix is not None else lse,
         ds, dv, dg if dg is not None else ds,
-        dh0[0] if dh0 is not None else ds, dh0[1] if dh0 is not None else ds,
+        dh0[0] if dh0 is not None else ds, dh0[1] if dh0 is not None else ds, dmix if mix is not None else ds,
         cu_seqlens if cu_seqlens is not None else lse, offsets if offsets is not None else lse,
-        T, H=H, GV=GV, D=D, BD=_block_d(D), C=chunk_size,
+        T, H=H, GV=GV, J=J, D=D, BD=_block_d(D), C=chunk_size,
         HAS_G=g is not None, HAS_H0=h0 is not None, HAS_DHT=has_dht, HAS_DLSE=dlse is not None,
-        IS_VARLEN=cu_seqlens is not None, DOT_PREC=_dot_precision(v),
+        HAS_MIX=mix is not None, IS_VARLEN=cu_seqlens is not None, DOT_PREC=_dot_precision(v),
     )
     if GV > 1:
         dv = dv.view(B, T, H // GV, GV, D).sum(3).to(v.dtype)
-    return ds, dv, dg, dh0
+    if mix is not None:
+        dmix = dmix.view(mix.shape).to(mix.dtype)
+    return ds, dv, dg, dh0, dmix
+
+
+def mix_slots(o, mix):
+    """o [B, T, H, D] per op head, mix [B, T, H / J, J] -> [B, T, H / J, D]: one product per query head over its J
+    slots, in o's dtype (float32 sums inside), as the model has always mixed them."""
+    B, T = o.shape[:2]
+    return torch.matmul(mix.to(o.dtype).unsqueeze(-2), o.view(B, T, *mix.shape[2:], o.shape[-1])).squeeze(-2)
 
 
 class ChunkAarenFunction(torch.autograd.Function):
+    """The scan per op head; with ``mix`` its output is the slots' mix (``mix_slots``), and backward, which gets the
+    mixed output's gradient, gives mix's from the per-token sums it forms anyway: training keeps no per-slot
+    output (J times the mixed one's bytes)."""
+
     @staticmethod
-    def forward(ctx, s, v, g, h0_o, h0_lse, cu_seqlens, chunk_size, layout=None):
+    def forward(ctx, s, v, g, h0_o, h0_lse, cu_seqlens, chunk_size, layout=None, mix=None):
         h0 = (h0_o, h0_lse) if h0_o is not None else None
-        save = any(ctx.needs_input_grad[:5])
+        save = any(ctx.needs_input_grad[:5]) or len(ctx.needs_input_grad) > 8 and ctx.needs_input_grad[8]
         o, lse, ht, cs = chunk_fwd(s, v, g, h0, cu_seqlens, chunk_size, save_cs=save, layout=layout)
+        if mix is not None:
+            o = mix_slots(o, mix)
         if save:
-            ctx.save_for_backward(s, v, g, h0_o, h0_lse, lse, cs[0], cs[1], ht[0], ht[1], cu_seqlens)
+            ctx.save_for_backward(s, v, g, h0_o, h0_lse, lse, cs[0], cs[1], ht[0], ht[1], cu_seqlens, mix)
             ctx.chunk_size, ctx.layout = chunk_size, layout
         ctx.set_materialize_grads(False)
         return o, lse, ht[0], ht[1]
 
     @staticmethod
     def backward(ctx, do, dlse, dht_o, dht_lse):
-        s, v, g, h0_o, h0_lse, lse, cs_o, cs_lse, ht_o, ht_lse, cu_seqlens = ctx.saved_tensors
+        s, v, g, h0_o, h0_lse, lse, cs_o, cs_lse, ht_o, ht_lse, cu_seqlens, mix = ctx.saved_tensors
         h0 = (h0_o, h0_lse) if h0_o is not None else None
-        ds, dv, dg, dh0 = chunk_bwd(
+        ds, dv, dg, dh0, dmix = chunk_bwd(
             s, v, g, h0, lse, (cs_o, cs_lse), (ht_o, ht_lse), do, (dht_o, dht_lse), cu_seqlens, ctx.chunk_size,
-            dlse, ctx.layout,
+            dlse, ctx.layout, mix,
         )
-        return ds, dv, dg, dh0[0] if dh0 else None, dh0[1] if dh0 else None, None, None, None
+        return ds, dv, dg, dh0[0] if dh0 else None, dh0[1] if dh0 else None, None, None, None, dmix
 
 
 def prepare(s, v, g, initial_state):
@@ -408,14 +440,24 @@ def chunk_aaren_triton(
     output_final_state: bool = False,
     cu_seqlens: torch.LongTensor = None,
     chunk_size: int = 64,
+    mix: torch.Tensor = None,
 ):
-    """Chunked Triton Aaren scan; same op as ``aaren_hf.aaren_scan.chunk_aaren_torch`` (see its docstring)."""
+    """Chunked Triton Aaren scan; same op as ``aaren_hf.aaren_scan.chunk_aaren_torch`` (see its docstring). With
+    ``mix`` [B, T, H / J, J] the output is the slots' mix [B, T, H / J, D] (``chunk_aaren_mixed_triton``)."""
     s, v, g, (h0_o, h0_lse) = prepare(s, v, g, initial_state)
+    mix = None if mix is None else mix.contiguous()
     segments = 1 if cu_seqlens is not None else num_segments(*s.shape, chunk_size, v.device)
     if segments > 1:
-        return split_chunk_aaren(s, v, g, initial_state, output_final_state, chunk_size, segments)
-    o, _, ht_o, ht_lse = ChunkAarenFunction.apply(s, v, g, h0_o, h0_lse, cu_seqlens, chunk_size)
+        return split_chunk_aaren(s, v, g, initial_state, output_final_state, chunk_size, segments, mix)
+    o, _, ht_o, ht_lse = ChunkAarenFunction.apply(s, v, g, h0_o, h0_lse, cu_seqlens, chunk_size, None, mix)
     return o, ((ht_o, ht_lse) if output_final_state else None)
+
+
+def chunk_aaren_mixed_triton(s, v, mix, g=None, initial_state=None, output_final_state=False, chunk_size=64):
+    """``aaren_hf.aaren_scan.chunk_aaren_mixed`` (same arguments and results: s [B, T, Hkv * G * J], v [B, T, Hkv,
+    D], mix [B, T, Hkv * G, J]) as the Triton scan per op head, its J slots mixed after it and their gradients
+    formed inside its backward."""
+    return chunk_aaren_triton(s, v, g, initial_state, output_final_state, None, chunk_size, mix)
 
 
 def num_segments(B, T, H, C, device, min_chunks=128, piece_chunks=16):
@@ -434,7 +476,7 @@ def num_segments(B, T, H, C, device, min_chunks=128, piece_chunks=16):
     return pieces if pieces >= 4 else 1
 
 
-def split_chunk_aaren(s, v, g, initial_state, output_final_state, chunk_size, segments):
+def split_chunk_aaren(s, v, g, initial_state, output_final_state, chunk_size, segments, mix=None):
     """The same scan with each sequence cut into ``segments`` pieces that run in parallel (packed as varlen):
     pass 1 gives each piece's own final state; the carry into every piece is the scan of those summaries, each
     piece acting as one token whose score is its lse, whose value is its o and whose decay is its total log-decay,
@@ -466,6 +508,6 @@ def split_chunk_aaren(s, v, g, initial_state, output_final_state, chunk_size, se
     first_lse = v.new_full((B, 1, H), float("-inf"), dtype=torch.float32) if h0_lse is None else h0_lse.unsqueeze(1)
     carry_o = torch.cat([first_o, inc_o[:, :-1]], 1).reshape(B * P, H, D)
     carry_lse = torch.cat([first_lse, inc_lse[:, :-1]], 1).reshape(B * P, H)
-    o, _, _, _ = ChunkAarenFunction.apply(flat(s), flat(v), flat(g), carry_o, carry_lse, cu, C, layout)
+    o, _, _, _ = ChunkAarenFunction.apply(flat(s), flat(v), flat(g), carry_o, carry_lse, cu, C, layout, flat(mix))
     final = (fin_o, fin_lse) if output_final_state else None
-    return o.view(B, T, H, D), final
+    return o.view(B, T, -1, D), final

@@ -89,7 +89,7 @@ class FusedRecurrentAarenFunction(torch.autograd.Function):
         s, v, g, h0_o, h0_lse, cu_seqlens = ctx.saved_tensors
         h0 = (h0_o, h0_lse) if h0_o is not None else None
         _, lse, ht, cs = chunk_fwd(s, v, g, h0, cu_seqlens, 64, save_cs=True)  # recompute what backward needs
-        ds, dv, dg, dh0 = chunk_bwd(s, v, g, h0, lse, cs, ht, do, (dht_o, dht_lse), cu_seqlens, 64)
+        ds, dv, dg, dh0, _ = chunk_bwd(s, v, g, h0, lse, cs, ht, do, (dht_o, dht_lse), cu_seqlens, 64)
         return ds, dv, dg, dh0[0] if dh0 else None, dh0[1] if dh0 else None, None
 
 
