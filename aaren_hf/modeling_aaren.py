@@ -32,15 +32,17 @@ from .configuration_aaren import AarenConfig
 
 try:  # Triton kernels on CUDA and the C kernels on CPUs, when this package is installed; the PyTorch code in this
     # file serves everywhere else (a checkpoint's own copy of it: nothing else to install)
-    from aaren_hf.kernels import (WINDOW_BLOCK, chunk_aaren, fused_chunk_aaren_mixed, fused_memory_round,
-                                  fused_recurrent_aaren, fused_window_attention, fused_window_step, select_backend)
+    from aaren_hf.kernels import (WINDOW_BLOCK, chunk_aaren, fused_aaren_step, fused_chunk_aaren_mixed,
+                                  fused_memory_round, fused_recurrent_aaren, fused_window_attention, fused_window_step,
+                                  select_backend)
     from aaren_hf.kernels.aaren import aaren_scan_cpu
     from aaren_hf.kernels.memory import memory_evict_cpu, memory_round_cpu
     from aaren_hf.kernels.mixer import mixer_step_cpu
 except ImportError:
     chunk_aaren, fused_recurrent_aaren = chunk_aaren_torch, recurrent_aaren_torch
     aaren_scan_cpu = memory_evict_cpu = memory_round_cpu = mixer_step_cpu = None
-    fused_chunk_aaren_mixed = fused_memory_round = fused_window_attention = fused_window_step = None
+    fused_aaren_step = fused_chunk_aaren_mixed = fused_memory_round = fused_window_attention = None
+    fused_window_step = None
 
 
 # With a cache kept (prefill), prompts longer than this go through the model in pieces of this many tokens on a CPU.
@@ -356,7 +358,7 @@ def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sin
     Queries go in blocks of Q = min(window, T); each block sees window - 1 + Q keys: O(T * window) memory, never
     T x T, and a decode step (T = 1) costs O(window).
     ``memory``: None, or the exact-memory tier as (keys [B, Hkv, C, D] rotated at their own positions, values,
-    evict [B, Hkv, C], last [T + 1]) from :func:`memory_visibility`; its keys join the same softmax. Each block gathers
+    evict [B, Hkv, C], last [T + 1] from :func:`memory_visibility`, its size M); its keys join the same softmax. Each block gathers
     only the candidates some query of the block sees (at most M + Q), so this part costs O(T * (M + Q)) too.
     Returns [B, T, H, D]; a token that sees no valid key (padding) gets 0.
     """
@@ -410,7 +412,7 @@ def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sin
     band = (arange(L).view(1, L) >= arange(Q).view(Q, 1)) & (arange(L).view(1, L) <= arange(Q).view(Q, 1) + W - 1)
     seen = [(band & (pb.unsqueeze(2) >= 0)).unsqueeze(2) | padding]  # [B, n, 1, Q, L]: the same for every kv head
     if memory is not None:
-        mem_keys, mem_values, evict, last = memory
+        mem_keys, mem_values, evict, last, _ = memory
         mem_rows, mem_seen, mem_counts = _memory_blocks(evict, last, T, nblk, Q)
         rows.append(mem_rows + table_k[0].shape[0])
         # decoded codes are float32 and may round past float16's largest value: saturate, as the cache does
@@ -475,9 +477,10 @@ def _window_attention_fused(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink
     spos = torch.cat([pos_prev, pos], 1)
     lists = None
     if memory is not None:
-        mem_keys, mem_values, evict, last = memory
+        mem_keys, mem_values, evict, last, size = memory
         nblk = -(-T // WINDOW_BLOCK)
-        idx, counts = _memory_lists(evict, last, T, nblk, WINDOW_BLOCK, ordered=False)  # the kernel reads any order
+        # the kernel reads any order, and as many of each list as its block needs
+        idx, counts = _memory_lists(evict, last, T, nblk, WINDOW_BLOCK, width=size + WINDOW_BLOCK)
         # decoded codes are float32 and may round past float16's largest value: saturate, as the cache does
         lists = (to_cache(mem_keys, attend), to_cache(mem_values, attend), evict, last, idx, counts)
     sinks = None
@@ -727,7 +730,7 @@ def memory_visibility(cand_pos, cand_score, first_stream, window, num_sinks, mem
     P = C - first_stream - T
     last = first_stream - 1 + (P + torch.arange(T + 1, device=device) - window + 1).clamp(min=0)
     real = cand_pos >= num_sinks
-    upto = int(last[-1]) + 1  # later candidates are seen by no query of this call
+    upto = first_stream + max(0, P + T - window + 1)  # last[-1] + 1: later candidates are seen by no query of this call
     evict = None
     if memory_evict_cpu is not None:
         evict = memory_evict_cpu(cand_pos, cand_score, upto, num_sinks, M)
@@ -791,12 +794,13 @@ def memory_seen(evict, last):
     return (index <= last) & (last < evict.unsqueeze(-2))
 
 
-def _memory_lists(evict, last, T, nblk, Q, ordered=True):
+def _memory_lists(evict, last, T, nblk, Q, width=None):
     """Per block of Q queries (T in all), the candidates some query of the block sees: at most M + Q of them (the
     block starts with at most M and each query adds at most the one token leaving its window). Returns their indices
-    [B, n, Hkv, K] in the candidates (seen ones first, in candidate order when ``ordered``, else in any order; the
-    rest fill up to K, the most any block needs) and [n] how many of the K the block needs at most (over rows and
-    heads)."""
+    [B, n, Hkv, K] in the candidates and [n] how many of the K the block needs at most (over rows and heads). Without
+    ``width``: K is the most any block needs (read back from the device), the seen ones first in candidate order;
+    with it (M + Q, a launch-bound device, where that read would wait for every launch before it): K = width, the
+    seen ones first in any order."""
     B, Hkv, C = evict.shape
     last = last[:T]
     # the block's queries have last indices lo..hi (last grows with the query): a candidate in the memory at any
@@ -805,9 +809,9 @@ def _memory_lists(evict, last, T, nblk, Q, ordered=True):
     index = torch.arange(C, device=evict.device)
     seen = (index <= hi.view(-1, 1, 1)) & (evict.unsqueeze(1) > lo.view(-1, 1, 1))  # [B, n, Hkv, C]
     counts = seen.sum(-1).amax((0, 2))  # [n]: the most candidates a block sees (over rows and kv heads)
+    if width is not None:  # a top-K keeps K indices per list where a sort returns all C (int64: 8 bytes per candidate)
+        return torch.topk(seen.to(torch.uint8), max(1, min(C, width)), dim=-1).indices, counts  # the seen ones first
     K = max(1, min(C, int(counts.max())))
-    if not ordered:  # a top-K keeps K indices per list where a sort returns all C (int64: 8 bytes per candidate)
-        return torch.topk(seen.to(torch.uint8), K, dim=-1).indices, counts  # sorted: the seen ones first
     return torch.sort((~seen).to(torch.uint8), dim=-1, stable=True).indices[..., :K], counts
 
 
@@ -991,8 +995,15 @@ class AarenMixer(nn.Module):
         carried = None
         if state is not None and state.aaren_o is not None:
             carried = (state.aaren_o, state.aaren_lse)
+        decoding = T == 1 and carried is not None and not torch.is_grad_enabled()
+        if decoding and takes_triton(fused_aaren_step, v):
+            # the whole branch below in one launch, the state written in place
+            stepped = fused_aaren_step(q, k, v, mask, state, self.queries, getattr(self, "log_decay", None),
+                                       self.decay_proj(x) if self.decay == "input" else None, self.scale)
+            if stepped is not None:
+                return stepped
         per_op_head = launch_bound(v.device)  # the Triton kernels (or, without them, the PyTorch op) per op head
-        decoding_on_cpu = not per_op_head and T == 1 and carried is not None and not torch.is_grad_enabled()
+        decoding_on_cpu = not per_op_head and decoding
         s = self.slot_scores(k).masked_fill(~mask.unsqueeze(-1), float("-inf"))
         g = None
         if self.decay != "none":
@@ -1088,12 +1099,15 @@ class AarenMixer(nn.Module):
             sink_k, sink_v = k.new_zeros(B, S, Hkv, D, dtype=stored), v.new_zeros(B, S, Hkv, D, dtype=stored)
             sink_pos = pos.new_full((B, S), -1)
         if S > 0:
-            # the first S real tokens become sinks; keys were rotated at their own position (= slot index)
-            b_idx, t_idx = ((pos >= 0) & (pos < S)).nonzero(as_tuple=True)
-            slot = pos[b_idx, t_idx]
-            sink_k = sink_k.index_put((b_idx, slot), k[b_idx, t_idx].to(sink_k.dtype))
-            sink_v = sink_v.index_put((b_idx, slot), v[b_idx, t_idx].to(sink_v.dtype))
-            sink_pos = sink_pos.index_put((b_idx, slot), slot)
+            # the first S real tokens become sinks (slot = position); keys were rotated at their own position. Found
+            # by comparison, not nonzero(), which reads back to the host (a GPU would wait for every launch before)
+            slots = torch.arange(S, device=pos.device)
+            hit = pos.unsqueeze(-1) == slots  # [B, T, S]
+            found = hit.any(1)  # [B, S]
+            at = hit.to(torch.uint8).argmax(1).view(B, S, 1, 1).expand(B, S, Hkv, D)  # the token in each slot
+            sink_k = torch.where(found.view(B, S, 1, 1), k.gather(1, at).to(sink_k.dtype), sink_k)
+            sink_v = torch.where(found.view(B, S, 1, 1), v.gather(1, at).to(sink_v.dtype), sink_v)
+            sink_pos = torch.where(found, slots, sink_pos)
         memory = None
         if self.memory_size > 0:
             memory, candidates = self.memory_candidates(k, v, pos, retention, k_prev, v_prev, pos_prev, state)
@@ -1305,7 +1319,7 @@ class AarenMixer(nn.Module):
                       "stream_score": stream_score}
         if coded is not None:
             candidates["codes"] = coded
-        return (cand_k, cand_v, evict, last), candidates
+        return (cand_k, cand_v, evict, last, M), candidates
 
     def keep_memory(self, state, candidates, stored: torch.dtype):
         """Store the top set for the next query in M fixed slots (empty slots: position -1), so the state has the
@@ -1518,7 +1532,9 @@ class AarenModel(AarenPreTrainedModel):
         hidden_states = inputs_embeds
         if hasattr(self, "embed_positions"):
             limit = self.config.max_position_embeddings
-            if int(pos.max()) >= limit:
+            # every position is below the tokens fed so far (padding included): read pos back (on a GPU, a wait for
+            # every launch before it) only when that bound reaches the table's end
+            if (0 if cache is None else cache.seen_tokens) + T > limit and int(pos.max()) >= limit:
                 raise ValueError(
                     f"Input reaches position {int(pos.max())}, but this model's learned position table holds "
                     f"{limit} positions (max_position_embeddings). Shorten the input or the generation length."

@@ -46,7 +46,7 @@ def inputs(B, T, H=9, Hkv=3, D=64, W=64, S=1, M=448, device="cuda", dtype=torch.
     cand_pos = pos.unsqueeze(1).expand(B, Hkv, T).contiguous()
     score = modeling.round_retention(torch.randn(B, Hkv, T, device=device, generator=gen))
     last, evict = modeling.memory_visibility(cand_pos, score, 0, W, S, M, T)
-    memory = (k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous(), evict, last)
+    memory = (k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous(), evict, last, M)
     empty = k.new_zeros(B, 0, Hkv, D)
     sinks = (k[:, :S].contiguous(), v[:, :S].contiguous(), pos[:, :S].contiguous())
     return (q, k, v, pos, empty, empty, pos[:, :0], *sinks, W, inv_freq, D ** -0.5, memory)

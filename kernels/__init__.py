@@ -3,7 +3,8 @@ for training and prefill in Triton (``window/chunk.py``, ``fused_window_attentio
 ``window_attention`` in modeling_aaren.py, which takes it where ``select_backend`` says Triton on a launch-bound
 device) and its decode step in Triton (``window/fused_recurrent.py``, ``fused_window_step``; reference:
 ``AarenMixer.window_step``, likewise); the scan with the slots mixed (``fused_chunk_aaren_mixed``; reference:
-``aaren_scan.chunk_aaren_mixed``, likewise); the memory's codes in Triton (``memory/codes.py``, ``fused_memory_round``;
+``aaren_scan.chunk_aaren_mixed``, likewise) and the Aaren branch's decode step (``fused_aaren_step``; reference:
+``AarenMixer.aaren_output``, likewise); the memory's codes in Triton (``memory/codes.py``, ``fused_memory_round``;
 reference: ``MemoryCodes.round_with_codes``, likewise).
 
     o, final_state = chunk_aaren(s, v, g=None, initial_state=None, output_final_state=False, cu_seqlens=None,
@@ -107,6 +108,15 @@ def fused_chunk_aaren_mixed(s, v, mix, g=None, initial_state=None, output_final_
     from .aaren.chunk import chunk_aaren_mixed_triton
 
     return chunk_aaren_mixed_triton(s, v, mix, g, initial_state, output_final_state, chunk_size)
+
+
+def fused_aaren_step(q, k, v, mask, state, queries, log_decay, decay_in, scale):
+    """The Aaren branch of a decode step in one Triton launch (``aaren/fused_recurrent.py``; reference:
+    ``AarenMixer.aaren_output`` for one token), the state written in place; None where it does not take the inputs.
+    Callers check ``select_backend(v) == "triton"`` first."""
+    from .aaren.fused_recurrent import aaren_step_triton
+
+    return aaren_step_triton(q, k, v, mask, state, queries, log_decay, decay_in, scale)
 
 
 def fused_window_attention(q, qpos, ks, vs, spos, P0, window, scale, memory=None, sinks=None):

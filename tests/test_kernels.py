@@ -582,6 +582,71 @@ def test_gpu_memory_codes_kernel_is_the_reference_bit_for_bit():
         assert torch.equal(got[0], MemoryCodes(bits, rotate).decode(*want)), (bits, rotate)
 
 
+# one case per feature the Aaren step kernel branches on: one slot or several, no decay, a fixed, learned or
+# input-dependent decay, query groups, beside a window, sinks and a memory (one ranked by the Aaren scores)
+AAREN_STEP_CASES = ["paper", "slots3", "decay_fixed", "decay_input", "gqa_slots_window", "memory_aaren_gqa",
+                    "memory_gate_input_decay", "default_like_d64", "everything"]
+
+
+@needs_triton
+@pytest.mark.parametrize("case", AAREN_STEP_CASES)
+def test_aaren_step_kernel_equals_the_pytorch_step(case, monkeypatch):
+    """The Aaren branch's decode step in one launch (``fused_aaren_step``, Triton's interpreter) beside the PyTorch
+    step, tokens fed one at a time after a 3-token prompt, a row with padding at the start and in the middle: the
+    mixer's output to float32 rounding, the Aaren state to float32 rounding and everything else (window, sinks, the
+    memory's choices, ranked by the kernel's scores where the rule says so) bit for bit."""
+    import aaren_hf.modeling_aaren as modeling
+    from helpers import MIXER_CASES, STEP_CASES, kernel_beside_reference, step_inputs, tiny_model
+
+    if modeling.fused_aaren_step is None:
+        pytest.skip("aaren_hf.kernels is not importable")
+    monkeypatch.setattr(modeling, "launch_bound", lambda device: True)
+    model = tiny_model(chunk_size=16, **MIXER_CASES.get(case, {}), **STEP_CASES.get(case, {}))
+    x, mask, pos = step_inputs(model, 14, [slice(0, 4), slice(8, 10)])
+    for layer in model.model.layers:
+        if layer.mixer.aaren_branch:
+            kernel_beside_reference(layer.mixer, x, mask, pos, monkeypatch, "fused_aaren_step",
+                                    rounded=("aaren_o", "aaren_lse"))
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_aaren_step_kernel_in_a_16_bit_model(dtype, monkeypatch):
+    """A 16-bit model as a GPU serves it (the default recipe's kind: 4 slots, learned decay, query groups, a 4-bit
+    memory ranked by a learned score): the output to 16-bit rounding, the Aaren state to float32 rounding, the rest
+    bit for bit."""
+    import aaren_hf.modeling_aaren as modeling
+    from helpers import STEP_CASES, kernel_beside_reference, step_inputs, tiny_model
+
+    if modeling.fused_aaren_step is None:
+        pytest.skip("aaren_hf.kernels is not importable")
+    monkeypatch.setattr(modeling, "launch_bound", lambda device: True)
+    model = tiny_model(chunk_size=16, **STEP_CASES["default_like_d64"]).to(dtype)
+    x, mask, pos = step_inputs(model, 12, [slice(0, 4)])
+    for layer in model.model.layers:
+        kernel_beside_reference(layer.mixer, x.to(dtype), mask, pos, monkeypatch, "fused_aaren_step",
+                                rounded=("aaren_o", "aaren_lse"), tol=1e-2)
+
+
+@pytest.mark.requires_gpu
+def test_gpu_aaren_step_kernel_equals_the_pytorch_step(monkeypatch):
+    """The compiled kernel on CUDA beside the PyTorch step on CUDA at SmolLM2's mixer shape (9 query heads, 3 kv
+    heads of 64, 4 slots, learned decay), bf16, 100 tokens one at a time."""
+    import aaren_hf.modeling_aaren as modeling
+    from helpers import kernel_beside_reference, tiny_model
+
+    kw = dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, window_size=64, num_sink_tokens=1,
+              num_query_slots=4, decay="learned")
+    model = tiny_model(chunk_size=16, **kw).to("cuda", torch.bfloat16)
+    x = (torch.randn(2, 100, 576, generator=torch.Generator().manual_seed(3)) * 2).to("cuda", torch.bfloat16)
+    mask = torch.ones(2, 100, dtype=torch.bool, device="cuda")
+    mask[1, :7] = False
+    pos = (mask.long().cumsum(1) - 1).masked_fill(~mask, -1)
+    assert modeling.fused_aaren_step is not None
+    kernel_beside_reference(model.model.layers[0].mixer, x, mask, pos, monkeypatch, "fused_aaren_step", prompt=40,
+                            rounded=("aaren_o", "aaren_lse"), tol=1e-2)
+
+
 AOT_SM90 = """
 import triton
 from triton.backends.compiler import GPUTarget
@@ -608,6 +673,10 @@ for mixed in (False, True):
         dict(c, J=4, HAS_DHT=True, HAS_DLSE=True, HAS_MIX=mixed))
 aot(fused_recurrent._aaren_fused_recurrent_fwd_kernel, dict(common, o=B),
     dict(H=8, GV=2, D=100, BD=128, HAS_G=True, HAS_H0=True, IS_VARLEN=True))
+for decay, J in ((2, 4), (0, 1)):
+    aot(fused_recurrent._aaren_step_kernel, dict(q=B, k=B, v=B, queries=B, log_decay=B, decay_in=B, mask="*i1",
+                                                 o_state=P, lse_state=P, out=P, s_out=P, scale="fp32"),
+        dict(H=9, HKV=3, J=J, BJ=max(2, J), D=64, BD=64, DECAY=decay, MIX=J > 1), num_warps=4, num_stages=1)
 I = "*i64"
 common = dict(q=B, qpos=I, ks=B, vs=B, spos=I, mk=B, mv=B, evict=I, last=I, idx=I, counts=I, sink_s=B, sink_v=B,
               sink_seen="*u8", lse=P, T="i32", Ls="i32", P0="i32", W="i32", C="i32", K="i32", NB="i32", scale="fp32")
@@ -729,7 +798,7 @@ def window_inputs(B=2, T=150, H=4, Hkv=2, D=24, P0=5, W=16, C=40, S=2, memory=Tr
         stay = torch.randint(1, 40, (B, Hkv, C), generator=gen)
         evict = torch.where(torch.rand(B, Hkv, C, generator=gen) < 0.2, -1, torch.arange(C) + stay)
         last = (torch.arange(T + 1) - 20).clamp(-1, C - 1)
-        idx, counts = _memory_lists(evict, last, T, -(-T // K.WINDOW_BLOCK), K.WINDOW_BLOCK, ordered=False)
+        idx, counts = _memory_lists(evict, last, T, -(-T // K.WINDOW_BLOCK), K.WINDOW_BLOCK, width=C)
         lists = (evict, last, idx, counts)
     if sinks:
         x.update(sink_s=rnd(B, T, H, S) * 3, sink_v=rnd(B, S, Hkv, D))

@@ -4,11 +4,13 @@ window branch against brute-force references, numerical robustness, dtypes, bad 
 import copy
 import math
 import shutil
+import traceback
 from unittest import mock
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from aaren_hf import AarenCache, AarenConfig, AarenForCausalLM
 from aaren_hf.aaren_scan import chunk_aaren_torch, recurrent_aaren_torch
@@ -180,6 +182,47 @@ def test_a_decode_step_never_waits_for_the_device(case):
                     past_key_values=cache, use_cache=True).logits
     assert out.device.type == "meta" and out.shape == (2, 1, model.config.vocab_size)
     assert all(t.device.type == "meta" for layer in cache.layers for t in layer.tensors().values())
+
+
+class HostReads(TorchDispatchMode):
+    """Records the operators that read a value back to the host (``int(t)``, ``bool(t)``, ``.item()``,
+    ``nonzero``, ``torch.equal``), with the model line that ran each."""
+
+    NAMES = {"_local_scalar_dense", "is_nonzero", "item", "nonzero", "equal", "masked_select", "_unique2"}
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in self.NAMES:
+            frames = [f for f in traceback.extract_stack() if "aaren" in f.filename]
+            self.seen.append((func.overloadpacket.__name__, frames[-1].line if frames else "?"))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("case", ["memory_int4_hadamard", "memory_shared", "gqa_slots_window", "everything",
+                                  "gemma_block"])
+def test_a_gpu_train_step_and_prefill_never_wait_for_the_device(case, monkeypatch):
+    """Training and prefill as a GPU runs them (``launch_bound`` says yes; the scan, window attention and the
+    memory's codes by their Triton kernels in Triton's interpreter) read nothing back to the host: on a GPU each read
+    waits for every launch before it, so the host stops queueing work while the device drains its queue, once per
+    read (the sinks' ``nonzero``, the memory's list width and its last candidate were three such reads per layer).
+    Forward and backward of a left-padded batch, then a prefill in two pieces with a cache."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(modeling, "launch_bound", lambda device: True)
+    model = tiny_model(chunk_size=16, **MIXER_CASES[case])
+    ids = random_ids(2, 40, seed=2)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    reads = HostReads()
+    with reads:
+        model(ids, attention_mask=mask, use_cache=False).logits.square().sum().backward()
+        cache = AarenCache(model.config)
+        with torch.no_grad():
+            model(ids[:, :20], attention_mask=mask[:, :20], past_key_values=cache, use_cache=True)
+            model(ids[:, 20:], attention_mask=mask, past_key_values=cache, use_cache=True)
+    assert cache.seen_tokens == 40 and reads.seen == []
 
 
 @pytest.mark.parametrize("case", ["decay_input", "memory_int4_hadamard", "memory_shared", "gemma_block"])
@@ -1337,6 +1380,34 @@ def test_gpu_window_attention_runs_in_the_memory_efficient_kernel(dtype):
     tol = dict(atol=1e-3, rtol=1e-3) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
     for got, want in zip(*results):
         torch.testing.assert_close(got, want, **tol)
+
+
+@pytest.mark.requires_gpu
+@pytest.mark.parametrize("case", ["memory_int4_hadamard", "gqa_slots_window", "everything"])
+def test_gpu_train_step_and_prefill_never_wait_for_the_device(case):
+    """CUDA's own check of test_a_gpu_train_step_and_prefill_never_wait_for_the_device, after one warm-up pass
+    (Triton's autotuning synchronises)."""
+    model = tiny_model(chunk_size=16, **MIXER_CASES[case]).cuda()
+    ids = random_ids(2, 40, seed=2).cuda()
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+
+    def run():
+        model.zero_grad()
+        model(ids, attention_mask=mask, use_cache=False).logits.square().sum().backward()
+        cache = AarenCache(model.config)
+        with torch.no_grad():
+            model(ids[:, :20], attention_mask=mask[:, :20], past_key_values=cache, use_cache=True)
+            return model(ids[:, 20:], attention_mask=mask, past_key_values=cache, use_cache=True).logits
+
+    run()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = run()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(out).all()
 
 
 @pytest.mark.requires_gpu

@@ -11,9 +11,11 @@ section 3). Decoding needs no gradient, so this costs nothing there.
 """
 
 import torch
+import triton
 import triton.language as tl
 
-from .chunk import _block_d, chunk_bwd, chunk_fwd, check_inputs, get_kernel, prepare
+from ..state import writable
+from .chunk import _ADD, _MAX, _block_d, chunk_bwd, chunk_fwd, check_inputs, get_kernel, prepare
 
 
 def _aaren_fused_recurrent_fwd_kernel(
@@ -107,3 +109,78 @@ def fused_recurrent_aaren_triton(
     s, v, g, (h0_o, h0_lse) = prepare(s, v, g, initial_state)
     o, ht_o, ht_lse = FusedRecurrentAarenFunction.apply(s, v, g, h0_o, h0_lse, cu_seqlens)
     return o, ((ht_o, ht_lse) if output_final_state else None)
+
+
+def _aaren_step_kernel(
+    q, k, v, queries, log_decay, decay_in, mask, o_state, lse_state, out, s_out, scale,
+    H: tl.constexpr, HKV: tl.constexpr, J: tl.constexpr, BJ: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+    DECAY: tl.constexpr, MIX: tl.constexpr,
+):
+    """The Aaren branch of one decode token for one (sequence, query head): its J slots' scores, decay and scan
+    step (the state written in place), their mix by the query, and the mixed output."""
+    i_b = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1)
+    cols = tl.arange(0, BD)
+    m_d = cols < D
+    js = tl.arange(0, BJ)
+    m_j = js < J
+    m_jd = m_j[:, None] & m_d[None, :]
+    kv = i_b * HKV + i_h // (H // HKV)
+    b_k = tl.load(k + kv * D + cols, mask=m_d, other=0).to(tl.float32)
+    b_v = tl.load(v + kv * D + cols, mask=m_d, other=0).to(tl.float32)
+    b_c = tl.load(queries + (i_h * J + js[:, None]) * D + cols[None, :], mask=m_jd, other=0).to(tl.float32)
+    real = (tl.load(mask + i_b + 0 * js) != 0) & m_j  # [BJ]: a padding token changes no state
+    b_s = tl.where(real, tl.reduce(b_c * b_k[None, :], 1, _ADD) * scale, float("-inf"))
+    op = i_b * H * J + i_h * J + js  # op head (query head, slot) of this sequence
+    tl.store(s_out + op, b_s, mask=m_j)
+    lse = tl.load(lse_state + op, mask=m_j, other=float("-inf"))
+    if DECAY > 0:  # g = -exp(log_decay), times softplus(decay_in) / log 2 with an input-dependent decay
+        g = -tl.exp(tl.load(log_decay + i_h * J + js, mask=m_j, other=0).to(tl.float32))
+        if DECAY == 2:
+            u = tl.load(decay_in + op, mask=m_j, other=0).to(tl.float32)
+            g = g * tl.where(u > 20.0, u, tl.log(1.0 + tl.exp(tl.minimum(u, 20.0)))) / 0.6931471805599453
+        lse = lse + tl.where(real, g, 0.0)
+    # the scan's step (docs/aaren_math.md section 1), every weight exp(x - max) <= 1
+    mx = tl.maximum(lse, b_s)
+    mx = tl.where(mx > float("-inf"), mx, 0.0)
+    a = tl.exp(lse - mx)
+    b = tl.exp(b_s - mx)
+    w = a + b
+    w_safe = tl.where(w > 0, w, 1.0)
+    o = tl.load(o_state + op[:, None] * D + cols[None, :], mask=m_jd, other=0)
+    o = (a[:, None] * o + b[:, None] * b_v[None, :]) / w_safe[:, None]
+    tl.store(o_state + op[:, None] * D + cols[None, :], o, mask=m_jd)
+    tl.store(lse_state + op, tl.where(w > 0, mx + tl.log(w_safe), float("-inf")), mask=m_j)
+    if MIX:  # how much the query head reads of each slot: softmax over the slots of <q, c_j> / sqrt(D)
+        b_q = tl.load(q + (i_b * H + i_h) * D + cols, mask=m_d, other=0).to(tl.float32)
+        z = tl.where(m_j, tl.reduce(b_c * b_q[None, :], 1, _ADD) * scale, float("-inf"))
+        p = tl.exp(z - tl.reduce(z, 0, _MAX))
+        p = p / tl.reduce(p, 0, _ADD)
+    else:
+        p = tl.where(m_j, 1.0, 0.0)
+    tl.store(out + (i_b * H + i_h) * D + cols, tl.reduce(p[:, None] * o, 0, _ADD), mask=m_d)
+
+
+def aaren_step_triton(q, k, v, mask, state, queries, log_decay, decay_in, scale):
+    """The Aaren branch of a decode step (``AarenMixer.aaren_output`` for one token with a state) in one launch:
+    q [B, 1, H, D] (None with one slot), k and v [B, 1, Hkv, D], mask [B, 1] (False: padding), queries [H, J, D], log_decay [H, J] or
+    None (no decay), decay_in [B, 1, H * J] (the input-dependent decay's projection) or None. Returns (the output
+    [B, 1, H, D] in v's dtype, the slot scores [B, 1, H * J] float32, -inf at padding) and leaves the new state in
+    ``state.aaren_o`` / ``state.aaren_lse``, written in place; None, touching nothing, past 64 slots or off
+    float32 state."""
+    B, _, Hkv, D = k.shape
+    H, J = queries.shape[:2]
+    if J > 64 or H % Hkv or state.aaren_o.dtype != torch.float32 or v.dtype == torch.float64:
+        return None
+    inference = torch.is_inference_mode_enabled()
+    o_state, lse_state = writable(state, "aaren_o", inference), writable(state, "aaren_lse", inference)
+    out = torch.empty(B, 1, H, D, device=v.device, dtype=torch.float32)
+    s = torch.empty(B, 1, H * J, device=v.device, dtype=torch.float32)
+    decay = 0 if log_decay is None else 1 if decay_in is None else 2
+    get_kernel(_aaren_step_kernel, key=("D", "J"), warps=(4,), stages=(1,))[(B, H)](
+        v if q is None else q.contiguous(), k.contiguous(), v.contiguous(), queries.contiguous(),
+        out if log_decay is None else log_decay.contiguous(), out if decay_in is None else decay_in.contiguous(),
+        mask.reshape(B).contiguous(), o_state, lse_state, out, s, float(scale),
+        H=H, HKV=Hkv, J=J, BJ=max(2, triton.next_power_of_2(J)), D=D, BD=_block_d(D), DECAY=decay, MIX=J > 1,
+    )
+    return out.to(v.dtype), s

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ..cbuild import dense, load
+from ..state import writable
 
 __all__ = ["mixer_step_cpu", "library"]
 
@@ -34,16 +35,6 @@ RULE = {"learned": 1, "aaren": 2}
 def library():
     """The compiled step (ctypes), built on first use; None when disabled or when no compiler can build it."""
     return load("mixer_step", SOURCES, SIGNATURES, "the PyTorch steps, about half as fast", HEADERS)
-
-
-def _writable(state, name, in_inference_mode: bool):
-    """State tensor ``name`` contiguous and writable in place (a tensor made under inference_mode cannot be written
-    outside it: copied once)."""
-    t = getattr(state, name)
-    if not t.is_contiguous() or (not in_inference_mode and t.is_inference()):
-        t = t.contiguous() if not t.is_inference() else t.clone(memory_format=torch.contiguous_format)
-        setattr(state, name, t)
-    return t
 
 
 def _float32_cpu(*tensors) -> bool:
@@ -87,7 +78,7 @@ def mixer_step_cpu(q, k, v, pos, mask, state, *, queries, log_decay, decay_in, d
     inference = torch.is_inference_mode_enabled()
     aaren = [None] * 4
     if J:
-        aaren = [_writable(state, n, inference) for n in ("aaren_o", "aaren_lse")] * 2  # o_new = o_in
+        aaren = [writable(state, n, inference) for n in ("aaren_o", "aaren_lse")] * 2  # o_new = o_in
     win = [None] * 11
     memory = [None] * 6
     new_win = [None] * 4
@@ -97,13 +88,13 @@ def mixer_step_cpu(q, k, v, pos, mask, state, *, queries, log_decay, decay_in, d
         cos_s, sin_s = (cos_t, sin_t) if sink_turn is None else (dense(a) for a in sink_turn)
         rot = cos_t.shape[-1]
         names = ("window_k", "window_v", "window_pos") + (("window_score",) if M > 0 else ())
-        new_win = [_writable(state, n, inference) for n in names] + ([] if M > 0 else [None])
+        new_win = [writable(state, n, inference) for n in names] + ([] if M > 0 else [None])
         win = [cos_t, sin_t, cos_s, sin_s, *new_win]  # new_win_* = win_*
-        win += [_writable(state, n, inference) for n in ("sink_k", "sink_v", "sink_pos")]
+        win += [writable(state, n, inference) for n in ("sink_k", "sink_v", "sink_pos")]
         if M > 0:
             names = ("memory_k", "memory_v", "memory_k_scale", "memory_v_scale") if bits else ("memory_k", "memory_v")
-            memory = [_writable(state, n, inference) for n in names] + ([] if bits else [None, None])
-            memory += [_writable(state, n, inference) for n in ("memory_pos", "memory_score")]
+            memory = [writable(state, n, inference) for n in names] + ([] if bits else [None, None])
+            memory += [writable(state, n, inference) for n in ("memory_pos", "memory_score")]
     if retention is not None:
         retention = dense(retention)
     if gate is not None:

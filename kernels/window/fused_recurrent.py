@@ -27,6 +27,7 @@ import triton.language as tl
 
 from ..aaren.chunk import _ADD, _MIN, device_function, get_kernel
 from ..memory.codes import _bfloat16_grid, _butterflies, _codes, _store_codes
+from ..state import writable
 from .chunk import _softmax_step
 
 
@@ -213,8 +214,6 @@ def window_step_triton(q, k, v, pos, angles, sink_turn, state, retention, window
     Returns the output [B, 1, H, D] in q's dtype and leaves the new state in ``state`` (written in place); None,
     touching nothing, where the kernel does not take the inputs (a head size that is not a power of 2 with memory
     codes, a window held in another dtype than the step stores, a query group over 64 heads)."""
-    from ..mixer import _writable
-
     B, _, H, D = q.shape
     Hkv, W, S, M = k.shape[2], window, sinks, memory_size
     stored = kv_cache_dtype or k.dtype
@@ -226,7 +225,7 @@ def window_step_triton(q, k, v, pos, angles, sink_turn, state, retention, window
     if M > 0:
         names += ["window_score", "memory_k", "memory_v", "memory_pos", "memory_score"]
         names += ["memory_k_scale", "memory_v_scale"] if bits else []
-    t = {name: _writable(state, name, inference) for name in names}
+    t = {name: writable(state, name, inference) for name in names}
     cos_t, sin_t = (a.reshape(B, -1).float().contiguous() for a in angles)
     cos_s, sin_s = (cos_t, sin_t) if sink_turn is None else (a.reshape(B, -1).float().contiguous() for a in sink_turn)
     out = torch.empty(B, 1, H, D, device=q.device, dtype=torch.float32)
