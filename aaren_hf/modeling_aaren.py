@@ -62,8 +62,8 @@ def launch_bound(device: torch.device) -> bool:
     """Whether work on ``device`` costs per operator rather than per element, and reading a value back on the host
     waits for every operator before it: a GPU, not a CPU. The one place the model asks; it decides the prefill's
     pieces (:func:`prefill_piece`), the ranking sweep's passes (:func:`sweep_plan`), whether window attention runs as
-    one call or as runs of blocks, whether the decode step shares rotary angles between layers, and the scan's
-    path (the Triton kernels per op head, or the CPU's mixed scan and C)."""
+    one call or as runs of blocks, and the scan's path (the Triton kernels per op head, or the CPU's mixed scan and
+    C)."""
     return device.type != "cpu"
 
 
@@ -678,6 +678,29 @@ class MemoryCodes:
         return (back + (x - x.detach()) if x.requires_grad else back), coded
 
 
+_SAME_VALUES = {}  # (id, version, id, version) -> (a, b, equal), for _same_values
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """torch.equal(a, b), asked of the device once per version of the two (in-place writes bump a tensor's
+    version): on a GPU every ask waits for the launches before it. False where the values cannot be read (the meta
+    device) or the versions are not kept (inference tensors)."""
+    if a is b:
+        return True
+    if a.device != b.device or a.shape != b.shape or a.dtype != b.dtype or a.is_meta:
+        return False
+    try:
+        key = (id(a), a._version, id(b), b._version)
+    except RuntimeError:  # inference tensors keep no version
+        return False
+    hit = _SAME_VALUES.get(key)
+    if hit is None or hit[0] is not a or hit[1] is not b:  # an id reused by another tensor is another tensor
+        if len(_SAME_VALUES) > 4096:  # the entries keep their tensors alive: a bounded few
+            _SAME_VALUES.clear()
+        hit = _SAME_VALUES[key] = (a, b, torch.equal(a, b))
+    return hit[2]
+
+
 def _compiling() -> bool:
     """Whether torch.compile is tracing this call (torch < 2.3, a Hub user's: never)."""
     is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
@@ -1241,13 +1264,14 @@ class AarenMixer(nn.Module):
     def step_angles(self, pos, shared: Optional[dict]):
         """((cos, sin) at the token's position, (cos, sin) of the turn of the sink keys or None), each [B, 1, 1, rot],
         for :meth:`window_step`; the first computed as window_branch computes them, so that the key is stored bit
-        for bit the same. Every layer with the same frequencies and window needs the same ones: on a CPU computed
-        once per pass (``shared``); elsewhere per layer, as comparing the frequencies would wait for the device."""
+        for bit the same. Every layer with the same frequencies and window needs the same ones: computed once per
+        pass (``shared``); per layer while torch.compile traces (it fuses them anyway) or where the frequencies
+        cannot be compared (the meta device, inference tensors)."""
         S, W = self.num_sinks, self.window
         key = (S + W - 1) if S > 0 else None
-        known = [] if shared is None or launch_bound(pos.device) else shared.setdefault("step_angles", [])
+        known = [] if shared is None or _compiling() else shared.setdefault("step_angles", [])
         for inv_freq, k, angles in known:
-            if k == key and inv_freq.device == self.rope_inv_freq.device and torch.equal(inv_freq, self.rope_inv_freq):
+            if k == key and _same_values(inv_freq, self.rope_inv_freq):
                 return angles
         at_token = rotary_angles(pos.clamp(min=0), self.rope_inv_freq)
         sink_turn = None if S == 0 else rotary_angles((pos - (S + W - 1)).clamp(min=0), self.rope_inv_freq)

@@ -1,6 +1,7 @@
 """AarenForCausalLM on CPU: parallel forward == token-by-token decoding for every mixer option, the mixer and its
 window branch against brute-force references, numerical robustness, dtypes, bad input, PEFT."""
 
+import contextlib
 import copy
 import math
 import shutil
@@ -223,6 +224,39 @@ def test_a_gpu_train_step_and_prefill_never_wait_for_the_device(case, monkeypatc
             model(ids[:, :20], attention_mask=mask[:, :20], past_key_values=cache, use_cache=True)
             model(ids[:, 20:], attention_mask=mask, past_key_values=cache, use_cache=True)
     assert cache.seen_tokens == 40 and reads.seen == []
+
+
+def test_a_gpu_decode_step_computes_its_angles_once_for_the_layers_that_share_them(monkeypatch):
+    """A decode step computes its rotary angles (at the token, and the sinks' turn) once for all layers with the same
+    frequencies and window, on a GPU too (``launch_bound`` says yes): the layers' frequencies are compared once per
+    version of them (an in-place write makes a new version), so later steps read nothing back to the host. Three
+    layers: 2 computations per step where the per-layer path takes 6; after one layer's frequencies are written
+    (step 13) that layer computes its own (4). The logits equal the per-layer path's bit for bit."""
+    monkeypatch.setattr(modeling, "launch_bound", lambda device: True)
+    ids = random_ids(2, 16, seed=4)
+    real, calls = modeling.rotary_angles, []
+    monkeypatch.setattr(modeling, "rotary_angles", lambda *a: calls.append(1) or real(*a))
+
+    def steps(share):
+        model = tiny_model(num_hidden_layers=3, **MIXER_CASES["memory_int4_hadamard"])
+        same = modeling._same_values if share else (lambda a, b: a is b)
+        out, counts, reads = [], [], HostReads()
+        with mock.patch.object(modeling, "_same_values", same), torch.no_grad():
+            cache = AarenCache(model.config)
+            model(ids[:, :10], past_key_values=cache, use_cache=True)
+            for t in range(10, 16):
+                if t == 13:
+                    model.model.layers[1].mixer.rope_inv_freq.mul_(1.5)
+                calls.clear()
+                with reads if t not in (10, 13) else contextlib.nullcontext():  # after a compare, none
+                    out.append(model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits)
+                counts.append(len(calls))
+        return torch.cat(out, 1), counts, reads.seen
+
+    shared, counts, reads = steps(share=True)
+    per_layer, per_layer_counts, _ = steps(share=False)
+    assert counts == [2, 2, 2, 4, 4, 4] and per_layer_counts == [6] * 6 and reads == []
+    assert torch.equal(shared, per_layer)
 
 
 @pytest.mark.parametrize("case", ["decay_input", "memory_int4_hadamard", "memory_shared", "gemma_block"])
