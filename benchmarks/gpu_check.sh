@@ -35,7 +35,7 @@ print('torch', torch.__version__, '| triton', triton.__version__, '| transformer
 # Budgeted to end inside one 10-minute call (the timeouts below add up to 540 s after the install), in order of
 # what matters most: correctness, then the whole model (prefill and generate, then train steps), then the scan.
 status=0
-timeout 120 python3 -m pytest -q -p no:cacheprovider -m requires_gpu -rA tests/test_kernels.py tests/test_model.py \
+timeout 150 python3 -m pytest -q -p no:cacheprovider -m requires_gpu -rA tests/test_kernels.py tests/test_model.py \
   tests/test_window_step_kernel.py \
   2>&1 | tee "$LOG/test_gpu.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|Error|assert" | tail -40
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
@@ -46,15 +46,15 @@ timeout 120 python3 -m pytest -q -p no:cacheprovider -m requires_gpu -rA tests/t
 timeout 180 python3 benchmarks/bench_model.py --device cuda --train none --repeats 2 --steps 16 --profile \
   --json "$LOG/bench_model.json" 2>&1 | tee "$LOG/bench_model.log" | grep -v "^\["
 # the same 16K prefill in the CPU's 2,048-token pieces: what prefill_piece gains on this GPU, in one run
-timeout 40 python3 benchmarks/bench_model.py --device cuda --models aaren --prompts 16k --generate none --train none \
+timeout 30 python3 benchmarks/bench_model.py --device cuda --models aaren --prompts 16k --generate none --train none \
   --prefill-tokens 2048 --json "$LOG/bench_model_pieces2k.json" 2>&1 | tee "$LOG/bench_model_pieces2k.log" | grep "prefill"
 timeout 100 python3 benchmarks/bench_model.py --device cuda --prompts none --generate none --repeats 2 --profile \
   --json "$LOG/bench_model_train.json" 2>&1 | tee "$LOG/bench_model_train.log" | grep -v "^\["
 
 # the window branch: its Triton kernels (attention; the decode step) against the PyTorch paths they replaced, in one run
-timeout 60 python3 benchmarks/bench_window.py --min-time 0.2 --json "$LOG/bench_window.json" 2>&1 \
+timeout 50 python3 benchmarks/bench_window.py --min-time 0.2 --json "$LOG/bench_window.json" 2>&1 \
   | tee "$LOG/bench_window.log"
-timeout 40 python3 benchmarks/bench_kernels.py --seqlens 2048 16384 65536 --min-time 0.2 --decode-batches 1 64 \
+timeout 30 python3 benchmarks/bench_kernels.py --seqlens 2048 16384 65536 --min-time 0.2 --decode-batches 1 64 \
   --json "$LOG/bench_b1.json" 2>&1 | tee "$LOG/bench_b1.log"
 echo "gpu_check: tests $([ $status = 0 ] && echo passed || echo FAILED)"
 exit $status
