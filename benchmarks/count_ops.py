@@ -8,7 +8,8 @@ installed, the scan per op head and window attention by their Triton kernels, in
 counted as one operator; without triton, the chunked PyTorch scan and window path). Then one decode step after a
 --decode-prompt-token prompt, as a GPU runs it (the scan's step and, with --window kernel, the window branch's step
 by their Triton kernels, each launch one operator), against the teacher's (Llama, sdpa, its KV cache): at batch 1 a
-GPU pays such a step in launches. Deterministic: no timing.
+GPU pays such a step in launches. Then one train step (forward and backward in bf16) as a GPU runs it, against the
+teacher's. Deterministic: no timing.
 
     python -P benchmarks/count_ops.py                       # 32K tokens, as a CPU and as a GPU runs them
     python -P benchmarks/count_ops.py --tokens 4096 --layers 1 --window pytorch   # window attention as before aa87c5d
@@ -82,6 +83,8 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=2, help="layers of the SmolLM2-135M shape (random weights)")
     p.add_argument("--decode-prompt", type=int, default=1024, help="prompt before the counted decode step (past the "
                    "window and the memory's size, so the step does all its work)")
+    p.add_argument("--train-tokens", type=int, default=2048, help="tokens of the counted train step (forward and "
+                   "backward, bf16, as a GPU runs it; 0: none)")
     p.add_argument("--window", default="kernel", choices=["kernel", "pytorch"],
                    help="the window branch as a GPU runs it: its Triton kernels (when triton is installed; attention "
                    "and the decode step) or the PyTorch paths (window attention gathering each block's keys)")
@@ -127,7 +130,23 @@ def main(argv=None):
             decode[name] = counter.n / args.layers
         print(f"a decode step as a GPU runs it, after {prompt.shape[1]:,} tokens: {decode['student']:,.0f} operators "
               f"per layer, the teacher's {decode['teacher']:,.0f} ({decode['student'] / decode['teacher']:.1f}x)")
-    return {"prefill": counts, "decode": decode}
+        train = {}
+        for name, model in (("teacher", teacher), ("student", student)) if args.train_tokens else ():
+            model = model.to(torch.bfloat16).train()  # last: the models are not used after this
+            tokens = torch.randint(3, teacher.config.vocab_size, (1, args.train_tokens))
+            with mock.patch.object(modeling, "launch_bound", lambda device: True), contextlib.ExitStack() as patches:
+                if triton and name == "student":
+                    for patch in triton_kernels_as_a_gpu_runs_them(kernel):
+                        patches.enter_context(patch)
+                counter = COUNTER[0] = CountOps()
+                with counter:
+                    model(tokens, use_cache=False).logits.float().square().mean().backward()
+            train[name] = counter.n / args.layers
+        if train:
+            print(f"a train step (forward and backward, 1 x {args.train_tokens:,} tokens, bf16) as a GPU runs it: "
+                  f"{train['student']:,.0f} operators per layer, the teacher's {train['teacher']:,.0f} "
+                  f"({train['student'] / train['teacher']:.1f}x)")
+    return {"prefill": counts, "decode": decode, "train": train}
 
 
 if __name__ == "__main__":
