@@ -353,6 +353,21 @@ MIXED_CASES = [(2, 37, 2, 3, 4, 8, 8, True, True), (1, 5, 1, 1, 1, 4, 64, False,
                (2, 64, 3, 3, 2, 16, 16, True, False), (1, 100, 2, 2, 3, 8, 32, True, True), (1, 9, 1, 2, 2, 4, 1, True, True)]
 
 
+def mixed_scan_inputs(case, gen, score_scale=3.0, dtype=torch.float64):
+    """(s, v, mix, g, state) for a MIXED_CASES case: row 0 starts with masked tokens (s = -inf, g = 0), one op head
+    of row 1 is masked throughout."""
+    B, T, Hkv, G, J, D, C, decay, h0 = case
+    HJ = Hkv * G * J
+    rnd = lambda *shape: torch.randn(*shape, generator=gen, dtype=dtype)  # noqa: E731
+    s = rnd(B, T, HJ) * score_scale
+    s[0, : min(3, T)] = float("-inf")
+    if B > 1:
+        s[1, :, 0] = float("-inf")
+    v, mix = rnd(B, T, Hkv, D), torch.softmax(rnd(B, T, Hkv * G, J), -1)
+    g = F.logsigmoid(2 * rnd(B, T, HJ) + 1).masked_fill(torch.isinf(s), 0.0) if decay else None
+    return s, v, mix, g, (rnd(B, HJ, D), rnd(B, HJ)) if h0 else None
+
+
 @pytest.mark.parametrize("case", MIXED_CASES, ids=lambda c: "B{}-T{}-Hkv{}-G{}-J{}-D{}-C{}-decay{}-h0{}".format(*c))
 def test_chunk_aaren_mixed_equals_the_scan_per_slot_then_mixed(case):
     """The model's CPU read of the scan (aaren_scan.chunk_aaren_mixed) against chunk_aaren_torch per op head, values
@@ -362,13 +377,7 @@ def test_chunk_aaren_mixed_equals_the_scan_per_slot_then_mixed(case):
     HJ = Hkv * G * J
     gen = torch.Generator().manual_seed(7)
     rnd = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)  # noqa: E731
-    s = rnd(B, T, HJ) * 3
-    s[0, : min(3, T)] = float("-inf")
-    if B > 1:
-        s[1, :, 0] = float("-inf")
-    v, mix = rnd(B, T, Hkv, D), torch.softmax(rnd(B, T, Hkv * G, J), -1)
-    g = F.logsigmoid(2 * rnd(B, T, HJ) + 1) if decay else None
-    st = (rnd(B, HJ, D), rnd(B, HJ)) if h0 else None
+    s, v, mix, g, st = mixed_scan_inputs(case, gen)
     inputs = [x.requires_grad_() for x in (s, v, mix) + ((g,) if decay else ()) + (st or ())]
     weights = (rnd(B, T, Hkv * G, D), rnd(B, HJ, D), rnd(B, HJ))
 
@@ -419,13 +428,7 @@ def mixed_scan_beside_reference(case, segments, device, dtype, tol):
     C, HJ = max(C, 16), Hkv * G * J  # the Triton kernels' smallest chunk
     gen = torch.Generator().manual_seed(13)
     rnd = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)  # noqa: E731
-    s = rnd(B, T, HJ) * 3
-    s[0, : min(3, T)] = float("-inf")
-    if B > 1:
-        s[1, :, 0] = float("-inf")
-    v, mix = rnd(B, T, Hkv, D), torch.softmax(rnd(B, T, Hkv * G, J), -1)
-    g = F.logsigmoid(2 * rnd(B, T, HJ) + 1).masked_fill(torch.isinf(s), 0.0) if decay else None
-    st = (rnd(B, HJ, D), rnd(B, HJ)) if h0 else None
+    s, v, mix, g, st = mixed_scan_inputs(case, gen)
     # the reference sees the inputs the kernel sees (rounded to dtype), in float64; mix and state stay float32
     s, v, g = (None if x is None else x.to(dtype).double() for x in (s, v, g))
     mix, st = mix.float().double(), None if st is None else tuple(x.float().double() for x in st)
@@ -470,17 +473,8 @@ def test_aaren_scan_cpu_equals_chunk_aaren_mixed(case, score_scale):
     to 1e4; the caller's initial state untouched."""
     from aaren_hf.kernels.aaren import aaren_scan_cpu
 
-    B, T, Hkv, G, J, D, C, decay, h0 = case
-    HJ = Hkv * G * J
-    gen = torch.Generator().manual_seed(11)
-    rnd = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
-    s = rnd(B, T, HJ) * score_scale
-    s[0, : min(3, T)] = float("-inf")
-    if B > 1:
-        s[1, :, 0] = float("-inf")
-    v, mix = rnd(B, T, Hkv, D), torch.softmax(rnd(B, T, Hkv * G, J), -1)
-    g = F.logsigmoid(2 * rnd(B, T, HJ) + 1).masked_fill(torch.isinf(s), 0.0) if decay else None
-    st = (rnd(B, HJ, D), rnd(B, HJ)) if h0 else None
+    C = case[6]
+    s, v, mix, g, st = mixed_scan_inputs(case, torch.Generator().manual_seed(11), score_scale, torch.float32)
     kept = None if st is None else tuple(t.clone() for t in st)
     with torch.no_grad():
         got = aaren_scan_cpu(s, v, mix, g, st, True)
