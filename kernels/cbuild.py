@@ -23,6 +23,8 @@ import time
 import warnings
 from pathlib import Path
 
+import torch
+
 # -ffp-contract=off: no fused multiply-adds, so values round as PyTorch's separate ops do
 FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"]
 NATIVE = ["-march=native"]
@@ -33,7 +35,9 @@ _said_no_compiler = False
 
 
 def disabled() -> bool:
-    return os.environ.get("AAREN_BACKEND", "").strip().lower() in ("torch", "naive")
+    # and while torch.compile traces: it sees PyTorch operators, not what a C call through raw pointers reads and
+    # writes (traced, the memory's ranking came out wrong: the buffer the kernel fills is not the one it used)
+    return os.environ.get("AAREN_BACKEND", "").strip().lower() in ("torch", "naive") or torch.compiler.is_compiling()
 
 
 def _cpu_key() -> str:
