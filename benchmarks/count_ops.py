@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 # Copyright 2026 The aaren-hf authors. Apache-2.0.
 """Operators per layer of one prefill, counted on the CPU: what a GPU, where the window and memory branch is
-launch-bound, pays in kernel launches. Counts every PyTorch operator that runs except views (each runs a kernel on a
-GPU), through the PyTorch path (``AAREN_BACKEND=torch``: no C kernels), once as a CPU runs it and once as a GPU
+launch-bound, pays in kernel launches. Counts every PyTorch operator that runs except views and bare allocations
+(each of the others runs a kernel on a GPU), through the PyTorch path (``AAREN_BACKEND=torch``: no C kernels), once as a CPU runs it and once as a GPU
 does (``modeling_aaren.launch_bound`` answering yes: one prefill piece, the GPU's sweep passes, and, when triton is
 installed, the scan per op head and window attention by their Triton kernels, in Triton's interpreter, each launch
 counted as one operator; without triton, the chunked PyTorch scan and window path). Then one decode step after a
@@ -32,7 +32,9 @@ from aaren_hf.kernels import triton_available  # noqa: E402
 
 VIEWS = {"view", "_unsafe_view", "as_strided", "slice", "select", "unsqueeze", "squeeze", "expand", "permute",
          "transpose", "t", "detach", "alias", "reshape", "split", "split_with_sizes", "unbind", "lift_fresh",
-         "unfold", "diagonal", "narrow", "chunk"}
+         "unfold", "diagonal", "narrow", "chunk",
+         # allocations without a fill: on a GPU the caching allocator hands memory out without a launch
+         "empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"}
 
 
 class CountOps(TorchDispatchMode):

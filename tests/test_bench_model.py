@@ -133,7 +133,8 @@ def test_count_ops_as_a_gpu_runs_it_runs_fewer_operators():
     """benchmarks/count_ops.py: a prompt past one CPU piece and several CPU sweep passes (the default mixer's memory
     ranks 448 of the tokens that left its 64-token window) runs fewer operators as a GPU runs it (one piece, one
     window-attention call, larger sweep passes; fewer still with the window kernel than with the PyTorch window path),
-    with the same logits to float rounding; a decode step and a train step run more operators than the teacher's;
+    with the same logits to float rounding; at one layer a decode step and a train step run more operators than
+    the teacher's;
     ``launch_bound`` and the C kernels' switch are left as they were."""
     import os
 
