@@ -27,7 +27,7 @@ from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from .aaren_scan import aaren_step, chunk_aaren_mixed, chunk_aaren_torch, empty_state, recurrent_aaren_torch
+from .aaren_scan import aaren_step, chunk_aaren_mixed, chunk_aaren_torch, recurrent_aaren_torch
 from .configuration_aaren import AarenConfig
 
 try:  # Triton kernels on CUDA and the C kernels on CPUs, when this package is installed; the PyTorch code in this
@@ -893,7 +893,7 @@ class AarenMixer(nn.Module):
         self.window, self.num_sinks, self.memory_size = config.layer_window(layer_idx)
         self.chunk_size = config.chunk_size
         self.scale = config.attention_scale
-        H, Hkv, D, J, E = self.num_heads, self.num_kv_heads, self.head_dim, self.num_slots, config.hidden_size
+        H, Hkv, D, E = self.num_heads, self.num_kv_heads, self.head_dim, config.hidden_size
 
         if config.layer_uses_query_projection(layer_idx):
             self.q_proj = nn.Linear(E, H * D, bias=config.attention_bias)
