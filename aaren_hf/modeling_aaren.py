@@ -358,8 +358,9 @@ def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sin
     Queries go in blocks of Q = min(window, T); each block sees window - 1 + Q keys: O(T * window) memory, never
     T x T, and a decode step (T = 1) costs O(window).
     ``memory``: None, or the exact-memory tier as (keys [B, Hkv, C, D] rotated at their own positions, values,
-    evict [B, Hkv, C], last [T + 1] from :func:`memory_visibility`, its size M); its keys join the same softmax. Each block gathers
-    only the candidates some query of the block sees (at most M + Q), so this part costs O(T * (M + Q)) too.
+    evict [B, Hkv, C], last [T + 1] from :func:`memory_visibility`, its size M); its keys join the same softmax.
+    Each block gathers only the candidates some query of the block sees (at most M + Q), so this part costs
+    O(T * (M + Q)) too.
     Returns [B, T, H, D]; a token that sees no valid key (padding) gets 0.
     """
     B, T, H, D = q.shape

@@ -2,14 +2,14 @@
 # Copyright 2026 The aaren-hf authors. Apache-2.0.
 """Operators per layer of one prefill, counted on the CPU: what a GPU, where the window and memory branch is
 launch-bound, pays in kernel launches. Counts every PyTorch operator that runs except views and bare allocations
-(each of the others runs a kernel on a GPU), through the PyTorch path (``AAREN_BACKEND=torch``: no C kernels), once as a CPU runs it and once as a GPU
-does (``modeling_aaren.launch_bound`` answering yes: one prefill piece, the GPU's sweep passes, and, when triton is
-installed, the scan per op head and window attention by their Triton kernels, in Triton's interpreter, each launch
-counted as one operator; without triton, the chunked PyTorch scan and window path). Then one decode step after a
---decode-prompt-token prompt, as a GPU runs it (the scan's step and, with --window kernel, the window branch's step
-by their Triton kernels, each launch one operator), against the teacher's (Llama, sdpa, its KV cache): at batch 1 a
-GPU pays such a step in launches. Then one train step (forward and backward in bf16) as a GPU runs it, against the
-teacher's. Deterministic: no timing.
+(each of the others runs a kernel on a GPU), through the PyTorch path (``AAREN_BACKEND=torch``: no C kernels), once
+as a CPU runs it and once as a GPU does (``modeling_aaren.launch_bound`` answering yes: one prefill piece, the GPU's
+sweep passes, and, when triton is installed, the scan per op head and window attention by their Triton kernels, in
+Triton's interpreter, each launch counted as one operator; without triton, the chunked PyTorch scan and window path).
+Then one decode step after a --decode-prompt-token prompt, as a GPU runs it (the scan's step and, with --window
+kernel, the window branch's step by their Triton kernels, each launch one operator), against the teacher's (Llama,
+sdpa, its KV cache): at batch 1 a GPU pays such a step in launches. Then one train step (forward and backward in
+bf16) as a GPU runs it, against the teacher's. Deterministic: no timing.
 
     python -P benchmarks/count_ops.py                       # 32K tokens, as a CPU and as a GPU runs them
     python -P benchmarks/count_ops.py --tokens 4096 --layers 1 --window pytorch   # window attention as before aa87c5d

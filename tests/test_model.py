@@ -274,7 +274,8 @@ def test_torch_compile_of_a_training_forward_gives_eagers_logits_and_gradients(c
         model.zero_grad()
         logits = forward(ids)
         logits.square().sum().backward()
-        results.append((logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results.append((logits.detach(), grads))
     torch._dynamo.reset()
     (eager, eager_grads), (compiled, compiled_grads) = results
     torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=0)

@@ -405,7 +405,7 @@ class ChunkAarenFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, s, v, g, h0_o, h0_lse, cu_seqlens, chunk_size, layout=None, mix=None):
         h0 = (h0_o, h0_lse) if h0_o is not None else None
-        save = any(ctx.needs_input_grad[:5]) or len(ctx.needs_input_grad) > 8 and ctx.needs_input_grad[8]
+        save = any(ctx.needs_input_grad[:5]) or (mix is not None and ctx.needs_input_grad[8])
         o, lse, ht, cs = chunk_fwd(s, v, g, h0, cu_seqlens, chunk_size, save_cs=save, layout=layout)
         if mix is not None:
             o = mix_slots(o, mix)

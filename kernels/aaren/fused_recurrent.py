@@ -15,7 +15,20 @@ import triton
 import triton.language as tl
 
 from ..state import writable
-from .chunk import _ADD, _MAX, _block_d, chunk_bwd, chunk_fwd, check_inputs, get_kernel, prepare
+from .chunk import _ADD, _MAX, _block_d, chunk_bwd, chunk_fwd, check_inputs, device_function, get_kernel, prepare
+
+
+@device_function
+def _step_weights(lse, s):
+    """The scan's step for a state of log-normaliser ``lse`` (decayed) and a token of score ``s`` (docstring above):
+    (a, b, w_safe, new lse), every weight exp(x - max) <= 1; the new o is (a * o + b * v) / w_safe."""
+    mx = tl.maximum(lse, s)
+    mx = tl.where(mx > float("-inf"), mx, 0.0)  # nothing seen yet: never form -inf - -inf
+    a = tl.exp(lse - mx)
+    b = tl.exp(s - mx)
+    w = a + b
+    w_safe = tl.where(w > 0, w, 1.0)
+    return a, b, w_safe, tl.where(w > 0, mx + tl.log(w_safe), float("-inf"))
 
 
 def _aaren_fused_recurrent_fwd_kernel(
@@ -49,14 +62,8 @@ def _aaren_fused_recurrent_fwd_kernel(
         v_t = tl.load(v + off_v * D + cols, mask=mask_d, other=0).to(tl.float32)
         if HAS_G:
             st_lse = st_lse + tl.load(g + off).to(tl.float32)
-        mx = tl.maximum(st_lse, s_t)
-        mx = tl.where(mx > float("-inf"), mx, 0.0)  # nothing seen yet: never form -inf - -inf
-        a = tl.exp(st_lse - mx)
-        b = tl.exp(s_t - mx)
-        w = a + b
-        w_safe = tl.where(w > 0, w, 1.0)
+        a, b, w_safe, st_lse = _step_weights(st_lse, s_t)
         st_o = (a * st_o + b * v_t) / w_safe
-        st_lse = tl.where(w > 0, mx + tl.log(w_safe), float("-inf"))
         tl.store(o + off * D + cols, st_o.to(o.dtype.element_ty), mask=mask_d)
     tl.store(ht_o + i_nh * D + cols, st_o, mask=mask_d)
     tl.store(ht_lse + i_nh, st_lse)
@@ -140,17 +147,11 @@ def _aaren_step_kernel(
             u = tl.load(decay_in + op, mask=m_j, other=0).to(tl.float32)
             g = g * tl.where(u > 20.0, u, tl.log(1.0 + tl.exp(tl.minimum(u, 20.0)))) / 0.6931471805599453
         lse = lse + tl.where(real, g, 0.0)
-    # the scan's step (docs/aaren_math.md section 1), every weight exp(x - max) <= 1
-    mx = tl.maximum(lse, b_s)
-    mx = tl.where(mx > float("-inf"), mx, 0.0)
-    a = tl.exp(lse - mx)
-    b = tl.exp(b_s - mx)
-    w = a + b
-    w_safe = tl.where(w > 0, w, 1.0)
+    a, b, w_safe, lse = _step_weights(lse, b_s)
     o = tl.load(o_state + op[:, None] * D + cols[None, :], mask=m_jd, other=0)
     o = (a[:, None] * o + b[:, None] * b_v[None, :]) / w_safe[:, None]
     tl.store(o_state + op[:, None] * D + cols[None, :], o, mask=m_jd)
-    tl.store(lse_state + op, tl.where(w > 0, mx + tl.log(w_safe), float("-inf")), mask=m_j)
+    tl.store(lse_state + op, lse, mask=m_j)
     if MIX:  # how much the query head reads of each slot: softmax over the slots of <q, c_j> / sqrt(D)
         b_q = tl.load(q + (i_b * H + i_h) * D + cols, mask=m_d, other=0).to(tl.float32)
         z = tl.where(m_j, tl.reduce(b_c * b_q[None, :], 1, _ADD) * scale, float("-inf"))
@@ -162,12 +163,12 @@ def _aaren_step_kernel(
 
 
 def aaren_step_triton(q, k, v, mask, state, queries, log_decay, decay_in, scale):
-    """The Aaren branch of a decode step (``AarenMixer.aaren_output`` for one token with a state) in one launch:
-    q [B, 1, H, D] (None with one slot), k and v [B, 1, Hkv, D], mask [B, 1] (False: padding), queries [H, J, D], log_decay [H, J] or
-    None (no decay), decay_in [B, 1, H * J] (the input-dependent decay's projection) or None. Returns (the output
-    [B, 1, H, D] in v's dtype, the slot scores [B, 1, H * J] float32, -inf at padding) and leaves the new state in
-    ``state.aaren_o`` / ``state.aaren_lse``, written in place; None, touching nothing, past 64 slots or off
-    float32 state."""
+    """The Aaren branch of a decode step (``AarenMixer.aaren_output`` for one token with a state) in one launch: q
+    [B, 1, H, D] (None with one slot), k and v [B, 1, Hkv, D], mask [B, 1] (False: padding), queries [H, J, D],
+    log_decay [H, J] or None (no decay), decay_in [B, 1, H * J] (the input-dependent decay's projection) or None.
+    Returns (the output [B, 1, H, D] in v's dtype, the slot scores [B, 1, H * J] float32, -inf at padding) and
+    leaves the new state in ``state.aaren_o`` / ``state.aaren_lse``, written in place; None, touching nothing, past
+    64 slots or off float32 state."""
     B, _, Hkv, D = k.shape
     H, J = queries.shape[:2]
     if J > 64 or H % Hkv or state.aaren_o.dtype != torch.float32 or v.dtype == torch.float64:
