@@ -38,9 +38,10 @@ try:  # Triton kernels on CUDA and the C kernels on CPUs, when this package is i
     from aaren_hf.kernels.aaren import aaren_scan_cpu
     from aaren_hf.kernels.memory import memory_evict_cpu, memory_round_cpu
     from aaren_hf.kernels.mixer import mixer_step_cpu
+    from aaren_hf.kernels.window import window_attention_cpu
 except ImportError:
     chunk_aaren, fused_recurrent_aaren = chunk_aaren_torch, recurrent_aaren_torch
-    aaren_scan_cpu = memory_evict_cpu = memory_round_cpu = mixer_step_cpu = None
+    aaren_scan_cpu = memory_evict_cpu = memory_round_cpu = mixer_step_cpu = window_attention_cpu = None
     fused_aaren_step = fused_chunk_aaren_mixed = fused_memory_round = fused_window_attention = None
     fused_window_step = None
 
@@ -366,9 +367,13 @@ def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sin
     B, T, H, D = q.shape
     Hkv = k.shape[2]
     G, W, S = H // Hkv, window, sink_k.shape[1]
-    if takes_triton(fused_window_attention, q):
-        return _window_attention_fused(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sink_pos, window,
-                                       inv_freq, scale, memory)
+    # a kernel where one takes the inputs: Triton on a GPU, C for a prompt on a CPU without gradients
+    if takes_triton(fused_window_attention, q) or (
+            window_attention_cpu is not None and not torch.is_grad_enabled() and not launch_bound(q.device)):
+        out = _window_attention_fused(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sink_pos, window,
+                                      inv_freq, scale, memory)
+        if out is not None:
+            return out
     k_all = torch.cat([k_prev.to(k.dtype), k], 1)
     v_all = torch.cat([v_prev.to(v.dtype), v], 1)
     pos_all = torch.cat([pos_prev, pos], 1)
@@ -467,30 +472,34 @@ def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sin
 
 def _window_attention_fused(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sink_pos, window, inv_freq,
                             scale, memory):
-    """:func:`window_attention` by the Triton kernel (kernels/window/chunk.py): the window's keys are read where they
-    lie, the memory's through each block's list of candidates, and what a query sees is decided in the kernel, so
-    no block's keys are gathered and no mask is built (on a GPU the gathered keys and values were about ten times the
-    window's, kept for backward)."""
+    """:func:`window_attention` by a kernel: the Triton one on a GPU (kernels/window/chunk.py), the C one for a
+    prompt on a CPU without gradients (kernels/window/prefill.c; None where it does not take the inputs). The
+    window's keys are read where they lie, the memory's through each block's list of candidates, and what a query
+    sees is decided in the kernel, so no block's keys are gathered and no mask is built (on a GPU the gathered keys
+    and values were about ten times the window's, kept for backward; on a CPU each query scores its own keys rather
+    than its block's widest set)."""
     B, T, H, D = q.shape
     S, attend = sink_k.shape[1], _attention_dtype(q)
+    in_triton = takes_triton(fused_window_attention, q)
     qr = rotate(q, pos.clamp(min=0), inv_freq).to(attend)
     ks, vs = (torch.cat([prev.to(attend), x.to(attend)], 1) for prev, x in ((k_prev, k), (v_prev, v)))
     spos = torch.cat([pos_prev, pos], 1)
     lists = None
     if memory is not None:
         mem_keys, mem_values, evict, last, size = memory
-        nblk = -(-T // WINDOW_BLOCK)
-        # the kernel reads any order, and as many of each list as its block needs
-        idx, counts = _memory_lists(evict, last, T, nblk, WINDOW_BLOCK, width=size + WINDOW_BLOCK)
         # decoded codes are float32 and may round past float16's largest value: saturate, as the cache does
-        lists = (to_cache(mem_keys, attend), to_cache(mem_values, attend), evict, last, idx, counts)
+        lists = (to_cache(mem_keys, attend), to_cache(mem_values, attend), evict, last)
+        if in_triton:  # the kernel reads any order, and as many of each list as its block needs
+            nblk = -(-T // WINDOW_BLOCK)
+            lists += _memory_lists(evict, last, T, nblk, WINDOW_BLOCK, width=size + WINDOW_BLOCK)
     sinks = None
     if S > 0:
         sp = sink_pos.view(B, 1, S)
         seen = (sp >= 0) & (sp <= pos.unsqueeze(-1) - window) & (pos >= 0).unsqueeze(-1)
         sinks = (_sink_scores(q, pos, sink_k, window, inv_freq, attend).view(B, T, H, S), sink_v.to(attend), seen)
-    out = fused_window_attention(qr, pos, ks, vs, spos, k_prev.shape[1], window, scale, lists, sinks)
-    return out.to(q.dtype)
+    kernel = fused_window_attention if in_triton else window_attention_cpu
+    out = kernel(qr, pos, ks, vs, spos, k_prev.shape[1], window, scale, lists, sinks)
+    return None if out is None else out.to(q.dtype)
 
 
 def _sink_scores(q, qpos, sink_k, window, inv_freq, attend):

@@ -871,6 +871,56 @@ def test_window_kernel_16_bit_inputs(dtype):
         assert (a.double() - b).abs().max() <= 2e-2 * (1 + b.abs().max()), name
 
 
+def run_window_cpu(x, args, memory, sink):
+    from aaren_hf.kernels.window import window_attention_cpu
+
+    mem = None if memory is None else (x["mk"], x["mv"], memory[0], memory[1])
+    sinks = None if sink is None else (x["sink_s"], x["sink_v"], sink)
+    return window_attention_cpu(x["q"], args["qpos"], x["ks"], x["vs"], args["spos"], args["P0"], args["window"],
+                                args["scale"], mem, sinks)
+
+
+@pytest.mark.parametrize("memory,sinks,P0,T", [(True, True, 5, 150), (True, False, 0, 64), (False, True, 15, 63),
+                                               (False, False, 3, 1), (True, True, 15, 17)])
+@pytest.mark.parametrize("H,Hkv,D", [(4, 2, 24), (9, 3, 64), (2, 2, 96)])
+@pytest.mark.parametrize("score_scale,threads", [(1.0, 1), (40.0, 1), (1.0, 3)])
+def test_c_window_prefill_vs_dense_float64(memory, sinks, P0, T, H, Hkv, D, score_scale, threads):
+    """The C prefill attention (kernels/window/prefill.c) against the dense float64 softmax: blocks of queries cut
+    anywhere, a stream with and without earlier entries, left padding, grouped and ungrouped kv heads, head widths
+    that fill four, three and no full 32-float tiles, scores large enough that most weights underflow, the blocks
+    shared among threads."""
+    x, args, mem, sink = window_inputs(T=T, P0=P0, memory=memory, sinks=sinks, H=H, Hkv=Hkv, D=D)
+    x["q"] = x["q"] * score_scale
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            got = run_window_cpu(x, args, mem, sink)
+    finally:
+        torch.set_num_threads(before)
+    if got is None:
+        pytest.skip("no C compiler")
+    want = dense_window({name: t.double() for name, t in x.items()}, args, mem, sink)
+    assert got.dtype == torch.float32 and torch.isfinite(got).all()
+    assert (got.double() - want).abs().max() <= 1e-5 * (1 + want.abs().max())
+    assert got[args["qpos"] < 0].abs().max() == 0  # padding queries: 0
+
+
+def test_c_window_prefill_declines_where_its_reference_runs(monkeypatch):
+    """Gradients wanted, float64, a head width the tiles do not take, or the C kernels turned off
+    (AAREN_BACKEND=torch): None, so the model runs the PyTorch path."""
+    x, args, mem, sink = window_inputs(T=20)
+    with torch.no_grad():
+        if run_window_cpu(x, args, mem, sink) is None:
+            pytest.skip("no C compiler")
+        assert run_window_cpu({n: t.double() for n, t in x.items()}, args, mem, sink) is None
+        assert run_window_cpu(window_inputs(T=20, D=20)[0], args, mem, sink) is None
+    assert run_window_cpu(dict(x, q=x["q"].requires_grad_()), args, mem, sink) is None
+    monkeypatch.setenv("AAREN_BACKEND", "torch")
+    with torch.no_grad():
+        assert run_window_cpu(x, args, mem, sink) is None
+
+
 @pytest.mark.requires_gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gpu_window_kernel_vs_dense(dtype):

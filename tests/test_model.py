@@ -416,6 +416,47 @@ def test_prompt_scan_in_c_equals_the_chunked_scan(case, monkeypatch):
             torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("case", ["window_sinks", "gqa_slots_window", "memory_gate_input_decay", "memory_int4_gqa",
+                                  "memory_kv_bf16", "partial_rotary"])
+def test_prompt_window_attention_in_c_equals_the_pytorch_path(case, monkeypatch):
+    """A prompt without gradients takes the C window attention (kernels/window/prefill.c); each call against the
+    PyTorch path on the same inputs, to float rounding (left padding in row 1, a carried window and memory in the
+    second piece). Compared call by call, not by logits: a difference in the last bits can move a retention score
+    across its grid in a later layer, and the memory then keeps another token (as between any two roundings)."""
+    kernel, attention, ran = modeling.window_attention_cpu, modeling.window_attention, []
+    if kernel is None:
+        pytest.skip("aaren_hf.kernels is not importable")
+
+    def counted(*args):
+        result = kernel(*args)
+        ran.append(result is not None)
+        return result
+
+    def both(*args):
+        modeling.window_attention_cpu = None
+        want = attention(*args)
+        modeling.window_attention_cpu = counted
+        got = attention(*args)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        return got
+
+    monkeypatch.setattr(modeling, "window_attention_cpu", counted)
+    monkeypatch.setattr(modeling, "window_attention", both)
+    model = tiny_model(**MIXER_CASES[case])
+    ids, mask = random_ids(2, 21), torch.ones(2, 21, dtype=torch.long)
+    mask[1, :5] = 0
+    cache = AarenCache(model.config)
+    with torch.no_grad():
+        model(ids[:, :13], attention_mask=mask[:, :13], past_key_values=cache, use_cache=True)
+        model(ids[:, 13:], attention_mask=mask, past_key_values=cache, use_cache=True)
+    if not any(ran):
+        pytest.skip("no C compiler")
+    assert all(ran) and len(ran) == 2 * model.config.num_hidden_layers
+    ran.clear()
+    model(ids, attention_mask=mask)  # with gradients: the PyTorch path (the kernel has no backward)
+    assert not any(ran)
+
+
 def memory_as_a_set(state: dict) -> dict:
     """The state with each row of the memory sorted by position and its empty slots (position -1) zeroed, so two
     memories holding the same entries in other slots compare equal, and two with other entries do not."""
