@@ -150,17 +150,29 @@ static void *attend(void *arg) {
         j->rc = 2;
         goto done;
     }
+    int64_t row = -1, scanned = -1; /* the (sequence, kv head) whose candidates cand holds, and up to which index */
+    int km = 0;
     for (int64_t item = j->tid; item < (int64_t)B * Hkv * nblk; item += j->threads) {
         int b = (int)(item / ((int64_t)Hkv * nblk)), h = (int)(item / nblk % Hkv), t0 = (int)(item % nblk) * QB;
         const int64_t *ev = j->evict + ((int64_t)b * Hkv + h) * C;
         int nq = T - t0 < QB ? T - t0 : QB;
         /* the keys: window rows w0 .. P0 + t0 + nq - 1, then the memory candidates of the block */
         int64_t w0 = P0 + t0 - W + 1 < 0 ? 0 : P0 + t0 - W + 1;
-        int kw = (int)(P0 + t0 + nq - w0), km = 0;
+        int kw = (int)(P0 + t0 + nq - w0);
         if (C > 0) {
+            /* the candidates in the memory at some query of the block: c <= hi and evict[c] > lo. A thread takes a
+             * row's blocks in order and lo never decreases, so one evicted by lo never returns: the list of the
+             * previous block, kept where evict > lo, and the candidates after it (the row's list costs O(C), not
+             * O(C) per block); in increasing order, as a scan of all would give them */
             int64_t lo = j->last[t0], hi = j->last[t0 + nq - 1];
-            for (int64_t c = 0; c <= hi && c < C; c++)
+            if (row != (int64_t)b * Hkv + h) row = (int64_t)b * Hkv + h, scanned = -1, km = 0;
+            int kept = 0;
+            for (int k = 0; k < km; k++)
+                if (ev[cand[k]] > lo) cand[kept++] = cand[k];
+            km = kept;
+            for (int64_t c = scanned + 1; c <= hi && c < C; c++)
                 if (ev[c] > lo) cand[km++] = c;
+            scanned = hi > scanned ? hi : scanned;
         }
         int K = kw + km;
         int64_t Kp = (K + KT - 1) / KT * KT, ld = Kp + S8;
