@@ -367,9 +367,8 @@ def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sin
     B, T, H, D = q.shape
     Hkv = k.shape[2]
     G, W, S = H // Hkv, window, sink_k.shape[1]
-    # a kernel where one takes the inputs: Triton on a GPU, C for a prompt on a CPU without gradients
-    if takes_triton(fused_window_attention, q) or (
-            window_attention_cpu is not None and not torch.is_grad_enabled() and not launch_bound(q.device)):
+    # a kernel where one takes the inputs: Triton on a GPU, C on a CPU
+    if takes_triton(fused_window_attention, q) or (window_attention_cpu is not None and not launch_bound(q.device)):
         out = _window_attention_fused(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sink_pos, window,
                                       inv_freq, scale, memory)
         if out is not None:
@@ -472,8 +471,8 @@ def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sin
 
 def _window_attention_fused(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sink_pos, window, inv_freq,
                             scale, memory):
-    """:func:`window_attention` by a kernel: the Triton one on a GPU (kernels/window/chunk.py), the C one for a
-    prompt on a CPU without gradients (kernels/window/prefill.c; None where it does not take the inputs). The
+    """:func:`window_attention` by a kernel: the Triton one on a GPU (kernels/window/chunk.py), the C one on a CPU
+    (kernels/window/chunk.c; None where it does not take the inputs). Both have their backward. The
     window's keys are read where they lie, the memory's through each block's list of candidates, and what a query
     sees is decided in the kernel, so no block's keys are gathered and no mask is built (on a GPU the gathered keys
     and values were about ten times the window's, kept for backward; on a CPU each query scores its own keys rather

@@ -20,9 +20,10 @@ decode path), compiled on first use (``cbuild.py``) from ``aaren/step.c`` (the A
 and the scan's step; reference: the PyTorch step in ``AarenMixer.aaren_output``), ``window/step.c`` (the window
 branch; reference: ``AarenMixer.window_step``) and ``mixer/step.c`` (the retention score and the gate between them).
 In a prefill without gradients the scan runs token after token in C (``aaren.aaren_scan_cpu``, ``aaren/step.c``;
-reference: ``aaren_scan.chunk_aaren_mixed``), the window's attention is ``window/prefill.c``
-(``window.window_attention_cpu``; reference: the PyTorch path of ``window_attention``) and the memory's ranking is
-``memory/evict.c`` (reference: the block sweep of ``memory_visibility``).
+reference: ``aaren_scan.chunk_aaren_mixed``) and the memory's ranking is ``memory/evict.c`` (reference: the block
+sweep of ``memory_visibility``). The window's attention on a CPU, for training and prefill alike, forward and
+backward, is ``window/chunk.c`` (``window.window_attention_cpu``; reference: the PyTorch path of
+``window_attention``).
 """
 
 import functools

@@ -884,41 +884,55 @@ def run_window_cpu(x, args, memory, sink):
                                                (False, False, 3, 1), (True, True, 15, 17)])
 @pytest.mark.parametrize("H,Hkv,D", [(4, 2, 24), (9, 3, 64), (2, 2, 96)])
 @pytest.mark.parametrize("score_scale,threads", [(1.0, 1), (40.0, 1), (1.0, 3)])
-def test_c_window_prefill_vs_dense_float64(memory, sinks, P0, T, H, Hkv, D, score_scale, threads):
-    """The C prefill attention (kernels/window/prefill.c) against the dense float64 softmax: blocks of queries cut
-    anywhere, a stream with and without earlier entries, left padding, grouped and ungrouped kv heads, head widths
-    that fill four, three and no full 32-float tiles, scores large enough that most weights underflow, the blocks
-    shared among threads."""
+def test_c_window_kernel_vs_dense_float64(memory, sinks, P0, T, H, Hkv, D, score_scale, threads):
+    """The C attention (kernels/window/chunk.c), forward and every gradient, against the dense float64 softmax:
+    blocks of queries cut anywhere, a stream with and without earlier entries, left padding, grouped and ungrouped
+    kv heads, head widths that fill four, three and no full 32-float tiles, scores large enough that most weights
+    underflow, the work shared among threads (by blocks forward, by rows backward). Within twice the error of the
+    dense softmax computed in float32 (large scores cost float32 digits whoever computes), and 1e-6."""
     x, args, mem, sink = window_inputs(T=T, P0=P0, memory=memory, sinks=sinks, H=H, Hkv=Hkv, D=D)
     x["q"] = x["q"] * score_scale
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        with torch.no_grad():
-            got = run_window_cpu(x, args, mem, sink)
-    finally:
-        torch.set_num_threads(before)
-    if got is None:
-        pytest.skip("no C compiler")
-    want = dense_window({name: t.double() for name, t in x.items()}, args, mem, sink)
-    assert got.dtype == torch.float32 and torch.isfinite(got).all()
-    assert (got.double() - want).abs().max() <= 1e-5 * (1 + want.abs().max())
-    assert got[args["qpos"] < 0].abs().max() == 0  # padding queries: 0
-
-
-def test_c_window_prefill_declines_where_its_reference_runs(monkeypatch):
-    """Gradients wanted, float64, a head width the tiles do not take, or the C kernels turned off
-    (AAREN_BACKEND=torch): None, so the model runs the PyTorch path."""
-    x, args, mem, sink = window_inputs(T=20)
-    with torch.no_grad():
         if run_window_cpu(x, args, mem, sink) is None:
             pytest.skip("no C compiler")
-        assert run_window_cpu({n: t.double() for n, t in x.items()}, args, mem, sink) is None
-        assert run_window_cpu(window_inputs(T=20, D=20)[0], args, mem, sink) is None
-    assert run_window_cpu(dict(x, q=x["q"].requires_grad_()), args, mem, sink) is None
+        got, names = window_grads(run_window_cpu, x, args, mem, sink)
+    finally:
+        torch.set_num_threads(before)
+    float32, _ = window_grads(dense_window, x, args, mem, sink)
+    want, _ = window_grads(dense_window, x, args, mem, sink, torch.float64)
+    for name, a, a32, b in zip(names, got, float32, want):
+        assert a.dtype == torch.float32 and torch.isfinite(a).all(), name
+        err, err32 = ((t.double() - b).abs().max() / (1 + b.abs().max()) for t in (a, a32))
+        assert err <= 2 * err32 + 1e-6, (name, err.item(), err32.item())
+    assert got[0][args["qpos"] < 0].abs().max() == 0  # padding queries: 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_c_window_kernel_16_bit_inputs(dtype):
+    """16-bit inputs (a 16-bit model on a CPU): float32 inside, results and gradients in their dtype, within its
+    rounding of float64."""
+    x, args, mem, sink = window_inputs(dtype=dtype)
+    if run_window_cpu(x, args, mem, sink) is None:
+        pytest.skip("no C compiler")
+    got, names = window_grads(run_window_cpu, x, args, mem, sink)
+    want, _ = window_grads(dense_window, x, args, mem, sink, torch.float64)
+    for name, a, b in zip(names, got, want):
+        assert a.dtype == dtype and torch.isfinite(a).all(), name
+        assert (a.double() - b).abs().max() <= 2e-2 * (1 + b.abs().max()), name
+
+
+def test_c_window_kernel_declines_where_its_reference_runs(monkeypatch):
+    """float64, a head width the tiles do not take, or the C kernels turned off (AAREN_BACKEND=torch): None, so the
+    model runs the PyTorch path."""
+    x, args, mem, sink = window_inputs(T=20)
+    if run_window_cpu(x, args, mem, sink) is None:
+        pytest.skip("no C compiler")
+    assert run_window_cpu({n: t.double() for n, t in x.items()}, args, mem, sink) is None
+    assert run_window_cpu(window_inputs(T=20, D=20)[0], args, mem, sink) is None
     monkeypatch.setenv("AAREN_BACKEND", "torch")
-    with torch.no_grad():
-        assert run_window_cpu(x, args, mem, sink) is None
+    assert run_window_cpu(x, args, mem, sink) is None
 
 
 @pytest.mark.requires_gpu

@@ -1,6 +1,6 @@
-"""The window branch: its attention for training and prefill in Triton (``chunk.py``; reference: the PyTorch path of
-``window_attention`` in modeling_aaren.py) and, for a prompt on a CPU without gradients, in C (``prefill.c``,
-``window_attention_cpu``; the same reference); its one-token decode step (reference: ``AarenMixer.window_step``) in
+"""The window branch: its attention for training and prefill in Triton for a GPU (``chunk.py``) and in C for a CPU
+(``chunk.c``, ``window_attention_cpu``, forward and backward), both with the reference in the PyTorch path of
+``window_attention`` in modeling_aaren.py; its one-token decode step (reference: ``AarenMixer.window_step``) in
 Triton for a GPU (``fused_recurrent.py``) and in C for a CPU (``step.c``, the same algorithm), the C one compiled
 with the Aaren branch's into the mixer's one call per layer (``kernels/mixer``)."""
 
@@ -15,47 +15,75 @@ from ..cbuild import dense, load
 
 __all__ = ["window_attention_cpu"]
 
-SOURCES = (Path(__file__).parent / "prefill.c",)
-SIGNATURES = {"aaren_window_prefill": (ctypes.c_int, [ctypes.c_int] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_int]
-                                       + [ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_int]
-                                       + [ctypes.c_void_p] * 13)}
+SOURCES = (Path(__file__).parent / "chunk.c",)
+_ARGS = [ctypes.c_int] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_float,
+                                                      ctypes.c_int] + [ctypes.c_void_p] * 12
+SIGNATURES = {"aaren_window_attention_takes": (ctypes.c_int, [ctypes.c_int] * 3),
+              "aaren_window_attention": (ctypes.c_int, _ARGS + [ctypes.c_void_p]),
+              "aaren_window_attention_backward": (ctypes.c_int, _ARGS + [ctypes.c_void_p] * 8)}
+
+
+def _library():
+    return load("window", SOURCES, SIGNATURES, "the PyTorch window attention")
+
+
+def _call(name, shape, tensors, P0, window, scale, *extra):
+    """``name`` on float32 contiguous tensors (q, qpos, ks, vs, spos, mk, mv, evict, last, sink_s, sink_v, seen, then
+    ``extra``)."""
+    B, T, H, D, Hkv, Ls, C, S = shape
+    rc = getattr(_library(), name)(B, T, H, Hkv, D, Ls, P0, window, C, S, scale, torch.get_num_threads(),
+                                   *(t.data_ptr() for t in tensors + extra))
+    if rc != 0:
+        raise RuntimeError(f"{name} failed ({rc}) for B={B} T={T} H={H} Hkv={Hkv} D={D} C={C} S={S}")
+
+
+class _WindowAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, ks, vs, mk, mv, sink_s, sink_v, rest, shape, P0, window, scale):
+        out = torch.empty(q.shape)
+        _call("aaren_window_attention", shape, (q, rest[0], ks, vs, rest[1], mk, mv, *rest[2:4], sink_s, sink_v,
+                                                rest[4]), P0, window, scale, out)
+        ctx.save_for_backward(q, ks, vs, mk, mv, sink_s, sink_v, *rest)
+        ctx.args = (shape, P0, window, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, ks, vs, mk, mv, sink_s, sink_v, qpos, spos, evict, last, seen = ctx.saved_tensors
+        grads = [torch.empty(q.shape), torch.zeros(ks.shape), torch.zeros(vs.shape), torch.zeros(mk.shape),
+                 torch.zeros(mv.shape), torch.empty(sink_s.shape), torch.zeros(sink_v.shape)]
+        _call("aaren_window_attention_backward", ctx.args[0], (q, qpos, ks, vs, spos, mk, mv, evict, last, sink_s,
+                                                              sink_v, seen), *ctx.args[1:], dense(dout.float()),
+              *grads)
+        return (*grads, None, None, None, None, None)
 
 
 def window_attention_cpu(q, qpos, ks, vs, spos, P0, window, scale, memory=None, sinks=None):
-    """``window_attention_triton``'s arguments and results (``chunk.py``), float32, to float rounding, as one C call;
-    ``memory`` without the block lists: (keys, values [B, Hkv, C, D], evict [B, Hkv, C], last [T + 1]). None where it
-    does not apply: gradients wanted, not on a CPU, float64, a head width or grouping it does not take, no compiler
-    (then the caller runs the reference). Runs on torch.get_num_threads() threads, as PyTorch's operators would."""
+    """``window_attention_triton``'s arguments and results (``chunk.py``), to float rounding, in C, forward and
+    backward (float32 inside; results and gradients in the inputs' dtypes); ``memory`` without the block lists:
+    (keys, values [B, Hkv, C, D], evict [B, Hkv, C], last [T + 1]). None where it does not apply: not on a CPU,
+    float64, a head width or grouping it does not take, no compiler (then the caller runs the reference). Runs on
+    torch.get_num_threads() threads, as PyTorch's operators would."""
     tensors = (q, ks, vs) + tuple(memory[:2] if memory else ()) + tuple(sinks[:2] if sinks else ())
-    wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    if wants_grad or q.is_cuda or any(t.dtype == torch.float64 for t in tensors):
-        return None
-    lib = load("window", SOURCES, SIGNATURES, "the PyTorch window attention")
-    if lib is None:
+    if q.is_cuda or any(t.dtype == torch.float64 for t in tensors) or _library() is None:
         return None
     B, T, H, D = q.shape
     Hkv, Ls = ks.shape[2], ks.shape[1]
-    f32 = lambda x: dense(x.float())  # noqa: E731
-    if memory is None:
-        mk = mv = q.new_zeros(0, dtype=torch.float32)
-        evict = last = torch.zeros(0, dtype=torch.int64)
-        C = 0
-    else:
-        mk, mv, evict, last = f32(memory[0]), f32(memory[1]), dense(memory[2]), dense(memory[3])
-        C = mk.shape[2]
-    if sinks is None:
-        sink_s = sink_v = q.new_zeros(0, dtype=torch.float32)
-        seen, S = torch.zeros(0, dtype=torch.uint8), 0
-    else:
-        sink_s, sink_v, seen, S = f32(sinks[0]), f32(sinks[1]), dense(sinks[2].to(torch.uint8)), sinks[1].shape[1]
-    q_, ks_, vs_ = f32(q), f32(ks), f32(vs)
-    qpos_, spos_ = dense(qpos.long()), dense(spos.long())
-    out = torch.empty(B, T, H, D)
-    rc = lib.aaren_window_prefill(
-        B, T, H, Hkv, D, Ls, int(P0), int(window), C, S, float(scale), torch.get_num_threads(),
-        *(t.data_ptr() for t in (q_, qpos_, ks_, vs_, spos_, mk, mv, evict, last, sink_s, sink_v, seen, out)))
-    if rc == 1:  # a head width or grouping the kernel does not take
+    if not _library().aaren_window_attention_takes(H, Hkv, D):
         return None
-    if rc != 0:
-        raise RuntimeError(f"aaren_window_prefill failed ({rc}) for B={B} T={T} H={H} Hkv={Hkv} D={D} C={C}")
+    if memory is None:
+        mk = mv = q.new_zeros(B, Hkv, 0, D)
+        evict, last = torch.zeros(B, Hkv, 0, dtype=torch.int64), torch.zeros(T + 1, dtype=torch.int64)
+    else:
+        mk, mv, evict, last = memory
+    if sinks is None:
+        sink_s, sink_v, seen = q.new_zeros(B, T, H, 0), q.new_zeros(B, 0, Hkv, D), torch.zeros(B, T, 0)
+    else:
+        sink_s, sink_v, seen = sinks
+    f32 = lambda x: dense(x.float())  # noqa: E731
+    rest = (dense(qpos.long()), dense(spos.long()), dense(evict.long()), dense(last.long()),
+            dense(seen.to(torch.uint8)))
+    shape = (B, T, H, D, Hkv, Ls, mk.shape[2], sink_v.shape[1])
+    out = _WindowAttention.apply(f32(q), f32(ks), f32(vs), f32(mk), f32(mv), f32(sink_s), f32(sink_v), rest, shape,
+                                 int(P0), int(window), float(scale))
     return out.to(q.dtype)

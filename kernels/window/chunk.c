@@ -1,0 +1,457 @@
+/* Copyright 2026 The aaren-hf authors. Apache-2.0.
+ *
+ * The window branch's attention over a whole sequence on a CPU, forward and backward: window_attention_triton's
+ * arguments and results (chunk.py, the same in Triton, whose docstring states what a query sees) in one C call each
+ * way. Reference: the PyTorch path of window_attention in aaren_hf/modeling_aaren.py, which gathers every block's
+ * keys and values into padded tensors, builds an additive mask and calls fused attention (and autograd's backward of
+ * all that); here each block of QB queries reads the keys some query of it sees (the window rows of the block, the
+ * memory candidates in the memory between its first and last query), decides per query and key what is seen from
+ * positions and indices, and computes in small register tiles:
+ *
+ *    window    stream row r, query i (stream row P0 + i):  P0 + i - W < r <= P0 + i  and  spos[r] >= 0
+ *    memory    candidate c:                                c <= last[i] < evict[c]
+ *    sinks     sink s: its score (computed outside: the query is rotated to another position for it) where seen
+ *
+ * Each query's own keys (64 of the window, what the memory holds) instead of the widest block's. A float32 softmax
+ * in another order than the reference's (and exp by a polynomial, relative error about 1e-7): equal to rounding. The
+ * products contract to fused multiply-adds here (the files that must round as PyTorch does are built without them;
+ * this one's results are compared to rounding only).
+ *
+ * The backward recomputes each block's weights P and, with D_r = sum_k P_rk dP_rk (= <dO_r, O_r>), forms
+ * dS = P (dP - D), dQ = scale dS K, dK = scale dS^T Q, dV = P^T dO: the same tiles, on transposed operands. A key is
+ * read by several blocks of its row (sequence, kv head), so each thread takes whole rows: no two threads add to one
+ * key.
+ */
+#pragma GCC optimize("fp-contract=fast")
+
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+#define QB 16  /* queries per block: each reads QB + W - 1 window rows, so fewer means less waste, more passes */
+#define KT 32  /* keys per score tile (4 vectors) */
+#define RT 4   /* rows (query, head) per tile */
+#define MAX_G 16
+#define MAX_THREADS 256
+
+static inline v8f load8(const float *p) {
+    v8f x;
+    memcpy(&x, p, sizeof(x));
+    return x;
+}
+
+static inline void store8(float *p, v8f x) { memcpy(p, &x, sizeof(x)); }
+
+static inline v8f splat(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
+
+/* exp of x <= 0 (-inf included) for 8 floats: Cephes' expf (x = n ln 2 + r, a degree-6 polynomial in r, 2^n in the
+ * exponent bits); 0 below -80, where a weight no longer moves a float32 sum that holds the row's top weight 1 */
+static inline v8f exp8(v8f x) {
+    v8i live = x > splat(-80.0f);
+    x = (v8f)(((v8i)x & live) | ((v8i)splat(-80.0f) & ~live));
+    v8f n = (x * splat(1.44269504088896341f) + splat(12582912.0f)) - splat(12582912.0f); /* round to nearest */
+    v8f r = (x - n * splat(0.693359375f)) + n * splat(2.12194440e-4f);
+    v8f p = splat(1.9875691500e-4f);
+    p = p * r + splat(1.3981999507e-3f);
+    p = p * r + splat(8.3334519073e-3f);
+    p = p * r + splat(4.1665795894e-2f);
+    p = p * r + splat(1.6666665459e-1f);
+    p = p * r + splat(5.0000001201e-1f);
+    p = p * (r * r) + r + splat(1.0f);
+    v8i e = (__builtin_convertvector(n, v8i) + 127) << 23;
+    return (v8f)((v8i)(p * (v8f)e) & live);
+}
+
+/* S[r][k0 .. k0 + KT) = <Q[r], key k> for RT rows: Q [rows][D], Kt [D][ldk] (keys transposed) */
+static inline void score_tile(const float *Q, int D, const float *Kt, int64_t ldk, int k0, float *S, int64_t lds) {
+    v8f acc[RT][4];
+    memset(acc, 0, sizeof(acc));
+    for (int d = 0; d < D; d++) {
+        const float *kt = Kt + (int64_t)d * ldk + k0;
+        v8f k_0 = load8(kt), k_1 = load8(kt + 8), k_2 = load8(kt + 16), k_3 = load8(kt + 24);
+        for (int r = 0; r < RT; r++) {
+            v8f qv = splat(Q[(int64_t)r * D + d]);
+            acc[r][0] += qv * k_0;
+            acc[r][1] += qv * k_1;
+            acc[r][2] += qv * k_2;
+            acc[r][3] += qv * k_3;
+        }
+    }
+    for (int r = 0; r < RT; r++)
+        for (int j = 0; j < 4; j++) store8(S + r * lds + k0 + 8 * j, acc[r][j]);
+}
+
+/* O[r] += sum over keys k in [k0, k1) of P[r][k] V[k] for RT rows, dims [d0, d0 + 8 nv) (nv = 4 or 1) */
+static inline void value_tile(const float *P, int64_t ldp, const float *V, int D, int k0, int k1, int d0, int nv,
+                              float *O) {
+    v8f acc[RT][4];
+    for (int r = 0; r < RT; r++)
+        for (int j = 0; j < nv; j++) acc[r][j] = load8(O + (int64_t)r * D + d0 + 8 * j);
+    for (int k = k0; k < k1; k++) {
+        const float *vk = V + (int64_t)k * D + d0;
+        if (nv == 4) {
+            v8f v_0 = load8(vk), v_1 = load8(vk + 8), v_2 = load8(vk + 16), v_3 = load8(vk + 24);
+            for (int r = 0; r < RT; r++) {
+                v8f p = splat(P[r * ldp + k]);
+                acc[r][0] += p * v_0;
+                acc[r][1] += p * v_1;
+                acc[r][2] += p * v_2;
+                acc[r][3] += p * v_3;
+            }
+        } else {
+            v8f v_0 = load8(vk);
+            for (int r = 0; r < RT; r++) acc[r][0] += splat(P[r * ldp + k]) * v_0;
+        }
+    }
+    for (int r = 0; r < RT; r++)
+        for (int j = 0; j < nv; j++) store8(O + (int64_t)r * D + d0 + 8 * j, acc[r][j]);
+}
+
+static inline void values(const float *P, int64_t ldp, const float *V, int D, int k0, int k1, float *O) {
+    int d0 = 0;
+    for (; d0 + 32 <= D; d0 += 32) value_tile(P, ldp, V, D, k0, k1, d0, 4, O);
+    for (; d0 < D; d0 += 8) value_tile(P, ldp, V, D, k0, k1, d0, 1, O);
+}
+
+/* whether the kernels take these shapes (where not, they return 1 and write nothing) */
+int aaren_window_attention_takes(int H, int Hkv, int D) { return D % 8 == 0 && H % Hkv == 0 && H / Hkv <= MAX_G; }
+
+typedef struct {
+    int B, T, H, Hkv, D, W, S;
+    int64_t Ls, P0, C;
+    float scale;
+    const float *q, *ks, *vs, *mk, *mv, *sink_s, *sink_v;
+    const int64_t *qpos, *spos, *evict, *last;
+    const uint8_t *sink_seen;
+    float *out;                                          /* forward: the output; backward: NULL */
+    const float *dout;                                   /* backward: what flows back, and the gradients: */
+    float *dq, *dks, *dvs, *dmk, *dmv, *dsink_s, *dsink_v; /* dq, dsink_s written, the others added to (zeroed) */
+    int threads, tid, rc;
+} job;
+
+typedef struct {     /* one thread's buffers, sized for the widest block */
+    int64_t kpad;
+    float *Kt, *V, *Q, *O, *P;    /* keys transposed, values (then the sinks'), rows, their outputs, weights */
+    float *Kr, *Vt, *dO, *dS, *T1, *dK, *dV; /* backward: keys as rows, values transposed, dO rows, dS, a transpose,
+                                                and the block's key gradients */
+    int64_t *cand;
+    uint8_t *seen;
+    int64_t row, scanned;         /* the (sequence, kv head) whose memory candidates cand holds, and up to where */
+    int km;
+} buffers;
+
+static int alloc_buffers(buffers *m, const job *j, int backward) {
+    int G = j->H / j->Hkv, rows_p = (QB * G + RT - 1) / RT * RT, S8 = (j->S + 7) / 8 * 8, D = j->D;
+    int64_t kmax = QB + j->W - 1 + j->C;
+    memset(m, 0, sizeof(*m));
+    m->kpad = (kmax + KT - 1) / KT * KT;
+    m->row = -1;
+    int64_t ld = m->kpad + S8;
+    m->Kt = malloc(sizeof(float) * D * m->kpad);
+    m->V = malloc(sizeof(float) * ld * D);
+    m->Q = malloc(sizeof(float) * rows_p * D);
+    m->O = malloc(sizeof(float) * rows_p * D);
+    m->P = malloc(sizeof(float) * rows_p * ld);
+    m->cand = malloc(sizeof(int64_t) * (j->C + 1));
+    m->seen = malloc(m->kpad);
+    int ok = m->Kt && m->V && m->Q && m->O && m->P && m->cand && m->seen;
+    if (backward) {
+        m->Kr = malloc(sizeof(float) * m->kpad * D);
+        m->Vt = malloc(sizeof(float) * D * m->kpad);
+        m->dO = malloc(sizeof(float) * rows_p * D);
+        m->dS = malloc(sizeof(float) * rows_p * ld);
+        m->T1 = malloc(sizeof(float) * ld * rows_p);
+        m->dK = malloc(sizeof(float) * m->kpad * D);
+        m->dV = malloc(sizeof(float) * m->kpad * D);
+        ok = ok && m->Kr && m->Vt && m->dO && m->dS && m->T1 && m->dK && m->dV;
+    }
+    return ok;
+}
+
+static void free_buffers(buffers *m) {
+    free(m->Kt); free(m->V); free(m->Q); free(m->O); free(m->P); free(m->cand); free(m->seen);
+    free(m->Kr); free(m->Vt); free(m->dO); free(m->dS); free(m->T1); free(m->dK); free(m->dV);
+}
+
+typedef struct { /* one block: its queries t0 .. t0 + nq - 1 of row (b, h), its keys */
+    int b, h, t0, nq, kw, K, nr;
+    int64_t w0, Kp, ld;
+} block;
+
+/* the block's keys (window rows w0 .. P0 + t0 + nq - 1, then its memory candidates) into m->Kt (and, backward,
+ * m->Kr and m->Vt), values into m->V, the sinks' values after them; its rows (query i, head g of the kv head's
+ * group) into m->Q */
+static block gather(const job *j, buffers *m, int b, int h, int t0, int backward) {
+    int T = j->T, H = j->H, Hkv = j->Hkv, D = j->D, W = j->W, S = j->S, G = H / Hkv;
+    int64_t Ls = j->Ls, P0 = j->P0, C = j->C;
+    const int64_t *ev = j->evict + ((int64_t)b * Hkv + h) * C;
+    block k_ = {b, h, t0, T - t0 < QB ? T - t0 : QB, 0, 0, 0, 0, 0, 0};
+    k_.w0 = P0 + t0 - W + 1 < 0 ? 0 : P0 + t0 - W + 1;
+    k_.kw = (int)(P0 + t0 + k_.nq - k_.w0);
+    if (C > 0) {
+        /* the candidates in the memory at some query of the block: c <= hi and evict[c] > lo. A thread takes a row's
+         * blocks in order and lo never decreases, so one evicted by lo never returns: the list of the previous
+         * block, kept where evict > lo, and the candidates after it (the row's lists cost O(C), not O(C) per
+         * block); in increasing order, as a scan of all would give them */
+        int64_t lo = j->last[t0], hi = j->last[t0 + k_.nq - 1];
+        if (m->row != (int64_t)b * Hkv + h) m->row = (int64_t)b * Hkv + h, m->scanned = -1, m->km = 0;
+        int kept = 0;
+        for (int k = 0; k < m->km; k++)
+            if (ev[m->cand[k]] > lo) m->cand[kept++] = m->cand[k];
+        m->km = kept;
+        for (int64_t c = m->scanned + 1; c <= hi && c < C; c++)
+            if (ev[c] > lo) m->cand[m->km++] = c;
+        m->scanned = hi > m->scanned ? hi : m->scanned;
+    }
+    k_.K = k_.kw + (C > 0 ? m->km : 0);
+    k_.Kp = (k_.K + KT - 1) / KT * KT;
+    k_.ld = k_.Kp + (S + 7) / 8 * 8;
+    for (int k = 0; k < k_.K; k++) {
+        const float *key, *val;
+        if (k < k_.kw) {
+            int64_t at = (((int64_t)b * Ls + k_.w0 + k) * Hkv + h) * D;
+            key = j->ks + at, val = j->vs + at;
+        } else {
+            int64_t at = (((int64_t)b * Hkv + h) * C + m->cand[k - k_.kw]) * D;
+            key = j->mk + at, val = j->mv + at;
+        }
+        for (int d = 0; d < D; d++) m->Kt[(int64_t)d * k_.Kp + k] = key[d];
+        memcpy(m->V + (int64_t)k * D, val, sizeof(float) * D);
+        if (backward) {
+            memcpy(m->Kr + (int64_t)k * D, key, sizeof(float) * D);
+            for (int d = 0; d < D; d++) m->Vt[(int64_t)d * k_.Kp + k] = val[d];
+        }
+    }
+    for (int d = 0; d < D; d++)
+        for (int64_t k = k_.K; k < k_.Kp; k++) {
+            m->Kt[(int64_t)d * k_.Kp + k] = 0.0f;
+            if (backward) m->Vt[(int64_t)d * k_.Kp + k] = 0.0f;
+        }
+    for (int s = 0; s < S; s++)
+        memcpy(m->V + (k_.Kp + s) * D, j->sink_v + (((int64_t)b * S + s) * Hkv + h) * D, sizeof(float) * D);
+    k_.nr = k_.nq * G;
+    int nr_p = (k_.nr + RT - 1) / RT * RT;
+    for (int i = 0; i < k_.nq; i++)
+        memcpy(m->Q + (int64_t)i * G * D, j->q + (((int64_t)b * T + t0 + i) * H + (int64_t)h * G) * D,
+               sizeof(float) * G * D);
+    memset(m->Q + (int64_t)k_.nr * D, 0, sizeof(float) * (nr_p - k_.nr) * D);
+    return k_;
+}
+
+/* the block's weights into m->P [rows][ld]: its keys' columns, then S8 of the sinks'; 0 for what a row does not see,
+ * for every column of a padding query and for the rows past the last */
+static void weights(const job *j, buffers *m, const block *k_) {
+    int T = j->T, H = j->H, Hkv = j->Hkv, D = j->D, W = j->W, S = j->S, G = H / Hkv, S8 = (S + 7) / 8 * 8;
+    int64_t Kp = k_->Kp, ld = k_->ld, Ls = j->Ls, C = j->C;
+    int nr_p = (k_->nr + RT - 1) / RT * RT;
+    const int64_t *ev = j->evict + ((int64_t)k_->b * Hkv + k_->h) * C;
+    float *P = m->P;
+    for (int r0 = 0; r0 < nr_p; r0 += RT)
+        for (int k0 = 0; k0 < Kp; k0 += KT) score_tile(m->Q + (int64_t)r0 * D, D, m->Kt, Kp, k0, P + r0 * ld, ld);
+    memset(P + (int64_t)k_->nr * ld, 0, sizeof(float) * (nr_p - k_->nr) * ld);
+    for (int i = 0; i < k_->nq; i++) {
+        int64_t t = k_->t0 + i, p = j->qpos[(int64_t)k_->b * T + t];
+        if (p < 0) { /* padding: sees nothing, output 0 */
+            memset(P + (int64_t)i * G * ld, 0, sizeof(float) * G * ld);
+            continue;
+        }
+        int64_t stream = j->P0 + t, lt = C > 0 ? j->last[t] : -1;
+        for (int k = 0; k < k_->kw; k++) {
+            int64_t r = k_->w0 + k;
+            m->seen[k] = r > stream - W && r <= stream && j->spos[(int64_t)k_->b * Ls + r] >= 0;
+        }
+        for (int k = k_->kw; k < k_->K; k++) m->seen[k] = m->cand[k - k_->kw] <= lt && lt < ev[m->cand[k - k_->kw]];
+        const uint8_t *sseen = j->sink_seen + ((int64_t)k_->b * T + t) * S;
+        for (int g = 0; g < G; g++) {
+            float *row = P + (int64_t)(i * G + g) * ld;
+            for (int k = 0; k < k_->K; k++) row[k] = m->seen[k] ? row[k] * j->scale : -INFINITY;
+            for (int64_t k = k_->K; k < Kp; k++) row[k] = -INFINITY;
+            const float *ss = j->sink_s + (((int64_t)k_->b * T + t) * H + (int64_t)k_->h * G + g) * S;
+            for (int s = 0; s < S8; s++) row[Kp + s] = s < S && sseen[s] ? ss[s] * j->scale : -INFINITY;
+            v8f top8 = splat(-INFINITY);
+            for (int64_t k = 0; k < ld; k += 8) {
+                v8f x = load8(row + k);
+                top8 = (v8f)(((v8i)x & (x > top8)) | ((v8i)top8 & ~(x > top8)));
+            }
+            float top = -INFINITY;
+            for (int e = 0; e < 8; e++) top = top8[e] > top ? top8[e] : top;
+            v8f sum8 = splat(0.0f);
+            for (int64_t k = 0; k < ld; k += 8) {
+                v8f w = exp8(load8(row + k) - splat(top));
+                store8(row + k, w);
+                sum8 += w;
+            }
+            float sum = ((sum8[0] + sum8[1]) + (sum8[2] + sum8[3])) + ((sum8[4] + sum8[5]) + (sum8[6] + sum8[7]));
+            v8f inv = splat(1.0f / sum);
+            for (int64_t k = 0; k < ld; k += 8) store8(row + k, load8(row + k) * inv);
+        }
+    }
+}
+
+static void forward_block(const job *j, buffers *m, int b, int h, int t0) {
+    int H = j->H, D = j->D, S = j->S, G = H / j->Hkv;
+    block k_ = gather(j, m, b, h, t0, 0);
+    weights(j, m, &k_);
+    int nr_p = (k_.nr + RT - 1) / RT * RT;
+    memset(m->O, 0, sizeof(float) * nr_p * D);
+    for (int r0 = 0; r0 < nr_p; r0 += RT) {
+        values(m->P + r0 * k_.ld, k_.ld, m->V, D, 0, k_.K, m->O + (int64_t)r0 * D);
+        if (S > 0) values(m->P + r0 * k_.ld, k_.ld, m->V, D, k_.Kp, k_.Kp + S, m->O + (int64_t)r0 * D);
+    }
+    for (int i = 0; i < k_.nq; i++)
+        memcpy(j->out + (((int64_t)b * j->T + t0 + i) * H + (int64_t)h * G) * D, m->O + (int64_t)i * G * D,
+               sizeof(float) * G * D);
+}
+
+/* out[k][r] = in[r][k] for r < rows, k < cols (the other rows of out: 0 up to rows_p) */
+static void transpose(const float *in, int64_t ld_in, int rows, int rows_p, int64_t cols, float *out) {
+    for (int64_t k = 0; k < cols; k++) {
+        for (int r = 0; r < rows; r++) out[k * rows_p + r] = in[(int64_t)r * ld_in + k];
+        for (int r = rows; r < rows_p; r++) out[k * rows_p + r] = 0.0f;
+    }
+}
+
+static void backward_block(const job *j, buffers *m, int b, int h, int t0) {
+    int T = j->T, H = j->H, Hkv = j->Hkv, D = j->D, S = j->S, G = H / Hkv;
+    int64_t Ls = j->Ls, C = j->C;
+    block k_ = gather(j, m, b, h, t0, 1);
+    weights(j, m, &k_);
+    int nr = k_.nr, nr_p = (nr + RT - 1) / RT * RT;
+    int64_t Kp = k_.Kp, ld = k_.ld;
+    for (int i = 0; i < k_.nq; i++)
+        memcpy(m->dO + (int64_t)i * G * D, j->dout + (((int64_t)b * T + t0 + i) * H + (int64_t)h * G) * D,
+               sizeof(float) * G * D);
+    memset(m->dO + (int64_t)nr * D, 0, sizeof(float) * (nr_p - nr) * D);
+    /* dP = dO V^T (keys by tiles, sinks by dots), then dS = P (dP - D_r) in place */
+    float *dS = m->dS;
+    for (int r0 = 0; r0 < nr_p; r0 += RT)
+        for (int k0 = 0; k0 < Kp; k0 += KT) score_tile(m->dO + (int64_t)r0 * D, D, m->Vt, Kp, k0, dS + r0 * ld, ld);
+    for (int r = 0; r < nr; r++) {
+        float *ds = dS + (int64_t)r * ld, *p = m->P + (int64_t)r * ld;
+        for (int s = 0; s < (S + 7) / 8 * 8; s++) {
+            float dot = 0.0f;
+            if (s < S)
+                for (int d = 0; d < D; d++) dot += m->dO[(int64_t)r * D + d] * m->V[(Kp + s) * D + d];
+            ds[Kp + s] = dot;
+        }
+        v8f acc = splat(0.0f);
+        for (int64_t k = 0; k < ld; k += 8) acc += load8(p + k) * load8(ds + k);
+        float delta = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+        for (int64_t k = 0; k < ld; k += 8) store8(ds + k, load8(p + k) * (load8(ds + k) - splat(delta)));
+    }
+    memset(dS + (int64_t)nr * ld, 0, sizeof(float) * (nr_p - nr) * ld);
+    /* dQ = scale dS K (keys only), dsink_s = scale dS at the sinks' columns */
+    memset(m->O, 0, sizeof(float) * nr_p * D);
+    for (int r0 = 0; r0 < nr_p; r0 += RT) values(dS + r0 * ld, ld, m->Kr, D, 0, k_.K, m->O + (int64_t)r0 * D);
+    for (int i = 0; i < k_.nq; i++)
+        for (int g = 0; g < G; g++) {
+            int r = i * G + g;
+            int64_t at = ((int64_t)b * T + t0 + i) * H + (int64_t)h * G + g;
+            for (int d = 0; d < D; d++) j->dq[at * D + d] = j->scale * m->O[(int64_t)r * D + d];
+            for (int s = 0; s < S; s++) j->dsink_s[at * S + s] = j->scale * dS[(int64_t)r * ld + Kp + s];
+        }
+    /* dK = scale dS^T Q, dV = P^T dO, 4 keys at a time; sinks' values: P^T dO at their columns */
+    transpose(dS, ld, nr, nr_p, Kp, m->T1);
+    memset(m->dK, 0, sizeof(float) * Kp * D);
+    for (int64_t k0 = 0; k0 < Kp; k0 += RT) values(m->T1 + k0 * nr_p, nr_p, m->Q, D, 0, nr, m->dK + k0 * D);
+    transpose(m->P, ld, nr, nr_p, Kp + S, m->T1);
+    memset(m->dV, 0, sizeof(float) * Kp * D);
+    for (int64_t k0 = 0; k0 < Kp; k0 += RT) values(m->T1 + k0 * nr_p, nr_p, m->dO, D, 0, nr, m->dV + k0 * D);
+    for (int s = 0; s < S; s++) {
+        float *dv = j->dsink_v + (((int64_t)b * S + s) * Hkv + h) * D;
+        const float *w = m->T1 + (Kp + s) * nr_p;
+        for (int r = 0; r < nr; r++)
+            if (w[r] != 0.0f)
+                for (int d = 0; d < D; d++) dv[d] += w[r] * m->dO[(int64_t)r * D + d];
+    }
+    for (int k = 0; k < k_.K; k++) {
+        float *dk, *dv;
+        if (k < k_.kw) {
+            int64_t at = (((int64_t)b * Ls + k_.w0 + k) * Hkv + h) * D;
+            dk = j->dks + at, dv = j->dvs + at;
+        } else {
+            int64_t at = (((int64_t)b * Hkv + h) * C + m->cand[k - k_.kw]) * D;
+            dk = j->dmk + at, dv = j->dmv + at;
+        }
+        for (int d = 0; d < D; d++) {
+            dk[d] += j->scale * m->dK[(int64_t)k * D + d];
+            dv[d] += m->dV[(int64_t)k * D + d];
+        }
+    }
+}
+
+/* forward: blocks tid, tid + threads, ... of all (sequence, kv head, block of QB queries), interleaved because later
+ * blocks read more of the memory; backward: whole rows (sequence, kv head), whose blocks add to the same keys */
+static void *run(void *arg) {
+    job *j = arg;
+    buffers m;
+    int nblk = (j->T + QB - 1) / QB, backward = j->out == NULL;
+    if (!alloc_buffers(&m, j, backward)) {
+        j->rc = 2;
+    } else if (!backward) {
+        for (int64_t item = j->tid; item < (int64_t)j->B * j->Hkv * nblk; item += j->threads)
+            forward_block(j, &m, (int)(item / ((int64_t)j->Hkv * nblk)), (int)(item / nblk % j->Hkv),
+                          (int)(item % nblk) * QB);
+    } else {
+        for (int64_t row = j->tid; row < (int64_t)j->B * j->Hkv; row += j->threads)
+            for (int n = 0; n < nblk; n++) backward_block(j, &m, (int)(row / j->Hkv), (int)(row % j->Hkv), n * QB);
+    }
+    free_buffers(&m);
+    return NULL;
+}
+
+static int launch(job *proto, int items) {
+    int threads = proto->threads;
+    threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads > items ? items : threads;
+    job jobs[MAX_THREADS];
+    pthread_t started[MAX_THREADS];
+    int running[MAX_THREADS] = {0};
+    for (int t = 0; t < threads; t++) {
+        jobs[t] = *proto;
+        jobs[t].threads = threads, jobs[t].tid = t, jobs[t].rc = 0;
+        /* the caller takes share 0, and any share whose thread could not start */
+        if (t > 0) running[t] = pthread_create(&started[t], NULL, run, &jobs[t]) == 0;
+    }
+    run(&jobs[0]);
+    int rc = jobs[0].rc;
+    for (int t = 1; t < threads; t++) {
+        if (running[t]) pthread_join(started[t], NULL);
+        else run(&jobs[t]);
+        rc = rc ? rc : jobs[t].rc;
+    }
+    return rc;
+}
+
+#define ARGS                                                                                                          \
+    int B, int T, int H, int Hkv, int D, int64_t Ls, int64_t P0, int W, int64_t C, int S, float scale, int threads,   \
+        const float *q, const int64_t *qpos,                /* [B, T, H, D] rotated, [B, T] (-1: padding) */          \
+        const float *ks, const float *vs, const int64_t *spos, /* the stream [B, Ls, Hkv, D], [B, Ls] */              \
+        const float *mk, const float *mv,                  /* memory candidates [B, Hkv, C, D] */                    \
+        const int64_t *evict, const int64_t *last,         /* [B, Hkv, C], [T + 1] */                                \
+        const float *sink_s, const float *sink_v, const uint8_t *sink_seen /* [B, T, H, S], [B, S, Hkv, D], [B, T, S] */
+#define JOB                                                                                                           \
+    (job) {                                                                                                           \
+        B, T, H, Hkv, D, W, S, Ls, P0, C, scale, q, ks, vs, mk, mv, sink_s, sink_v, qpos, spos, evict, last,          \
+            sink_seen, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, threads, 0, 0                            \
+    }
+
+int aaren_window_attention(ARGS, float *out /* [B, T, H, D] */) {
+    if (!aaren_window_attention_takes(H, Hkv, D)) return 1;
+    job proto = JOB;
+    proto.out = out;
+    return launch(&proto, B * Hkv * ((T + QB - 1) / QB));
+}
+
+int aaren_window_attention_backward(ARGS, const float *dout, float *dq, float *dks, float *dvs, float *dmk, float *dmv,
+                                    float *dsink_s, float *dsink_v) {
+    if (!aaren_window_attention_takes(H, Hkv, D)) return 1;
+    job proto = JOB;
+    proto.dout = dout, proto.dq = dq, proto.dks = dks, proto.dvs = dvs, proto.dmk = dmk, proto.dmv = dmv;
+    proto.dsink_s = dsink_s, proto.dsink_v = dsink_v;
+    return launch(&proto, B * Hkv);
+}
