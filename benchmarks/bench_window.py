@@ -1,23 +1,25 @@
 # Copyright 2026 The aaren-hf authors. Apache-2.0.
-"""The window branch by its Triton kernels against the PyTorch paths they replace on a GPU, in one run, at
-SmolLM2-135M's attention shape (9 query heads, 3 kv heads, head size 64) and the default mixer's window (64), sink (1)
-and memory (448, 4-bit Hadamard codes in the decode step):
+"""The window branch by its kernels against the PyTorch paths they replace, in one run, at SmolLM2-135M's attention
+shape (9 query heads, 3 kv heads, head size 64) and the default mixer's window (64), sink (1) and memory (448, 4-bit
+Hadamard codes in the decode step):
 
-- attention for training and prefill (``kernels/window/chunk.py`` against each block of queries gathering its keys,
-  values and mask for one SDPA call): forward, forward + backward, and the peak memory each adds. Inputs come from
-  the model's own functions (``memory_visibility`` with random retention scores, ``window_attention`` for both);
+- attention for training and prefill (on a GPU ``kernels/window/chunk.py`` against each block of queries gathering
+  its keys, values and mask for one SDPA call; on a CPU ``kernels/window/chunk.c`` against the same gathering in runs
+  of blocks): forward, forward + backward, and the peak memory each adds (CUDA). Inputs come from the model's own
+  functions (``memory_visibility`` with random retention scores, ``window_attention`` for both);
 - the decode step of one layer (``kernels/window/fused_recurrent.py`` against ``AarenMixer.window_step``'s PyTorch
   operators) at batch sizes --steps, after a --step-prompt-token prompt of a random student of that shape (one layer).
   Both paths first take one step from copies of the same state and must agree (output to the dtype's rounding, the
   window and memory exactly).
 
     python -P benchmarks/bench_window.py                          # CUDA: bf16, 8 x 2K, 2 x 8K, 1 x 32K; steps B = 1, 32
-    python -P benchmarks/bench_window.py --device cpu --shapes 1x512 --steps none --min-time 0   # PyTorch path only
+    python -P benchmarks/bench_window.py --device cpu --shapes 1x100,1x1000,2x512 --steps none   # C kernel, CPU
     TRITON_INTERPRET=1 python -P benchmarks/bench_window.py --device cpu --shapes 1x300 --steps 1 --step-prompt 80 \
         --min-time 0                                              # both, slowly
 """
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -92,12 +94,17 @@ def main(argv=None):
     p.add_argument("--json", default=None, metavar="PATH")
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
-    kernel = modeling.fused_window_attention
-    # both paths as a GPU runs them (one attention call for all blocks); the kernel where window_attention takes it,
-    # a backend of Triton: CUDA tensors, or a CPU's with TRITON_INTERPRET=1 (Triton's interpreter: slow, a check)
+    # the Triton kernel where window_attention takes it, a backend of Triton (CUDA tensors, or a CPU's with
+    # TRITON_INTERPRET=1: Triton's interpreter, slow, a check), both paths as a GPU runs them (one attention call for
+    # all blocks); else a CPU's C kernel, both paths as a CPU runs them (the PyTorch one in runs of blocks)
+    triton = (modeling.fused_window_attention is not None
+              and modeling.select_backend(torch.zeros(1, device=args.device)) == "triton")
+    patched = "fused_window_attention" if triton else "window_attention_cpu"
     paths = {"pytorch": None}
-    if kernel is not None and modeling.select_backend(torch.zeros(1, device=args.device)) == "triton":
-        paths["kernel"] = kernel
+    if getattr(modeling, patched) is not None:
+        paths["kernel"] = getattr(modeling, patched)
+    as_run = mock.patch.object(modeling, "launch_bound", lambda device: True) if triton else contextlib.nullcontext()
+    kernel_file = "kernels/window/chunk.py" if triton else "kernels/window/chunk.c"
     rows, results = [], []
     for shape in [] if args.shapes == "none" else args.shapes.split(","):
         B, T = (int(x) for x in shape.lower().split("x"))
@@ -107,8 +114,7 @@ def main(argv=None):
         grad = torch.randn(B, T, 9, 64, device=args.device, dtype=dtype)
         measured = {}
         for name, fn in paths.items():
-            with mock.patch.object(modeling, "fused_window_attention", fn), \
-                    mock.patch.object(modeling, "launch_bound", lambda device: True):
+            with mock.patch.object(modeling, patched, fn), as_run:
                 fwd = timeit(lambda: run(args_, None).detach(), args.device, args.min_time)
                 both = timeit(lambda: run(args_, grad), args.device, args.min_time)
                 peak = None
@@ -121,8 +127,8 @@ def main(argv=None):
                     peak = (torch.cuda.max_memory_allocated() - base) / 2**20
             measured[name] = dict(forward_s=fwd, forward_backward_s=both, peak_mib=peak)
         if "kernel" in measured:  # the same attention, to the dtype's rounding
-            with mock.patch.object(modeling, "launch_bound", lambda device: True):
-                want = mock.patch.object(modeling, "fused_window_attention", None)(run)(args_, None)
+            with as_run:
+                want = mock.patch.object(modeling, patched, None)(run)(args_, None)
                 torch.testing.assert_close(run(args_, None), want, atol=3e-2, rtol=3e-2)
         results.append(dict(B=B, T=T, dtype=str(dtype), **measured))
         ref, new = measured["pytorch"], measured.get("kernel")
@@ -134,11 +140,11 @@ def main(argv=None):
                      "-" if not new or new["peak_mib"] is None else f"{new['peak_mib']:.0f} MiB"])
     if rows:
         print(f"window attention, {args.device}, {dtype}: H=9, Hkv=3, D=64, window 64, 1 sink, memory 448; "
-              "pytorch = gather + SDPA, kernel = kernels/window/chunk.py; ratios = pytorch time / kernel time")
+              f"pytorch = gather + SDPA, kernel = {kernel_file}; ratios = pytorch time / kernel time")
         print_table(["B x T", "pytorch fwd", "kernel fwd", "speed-up", "pytorch fwd+bwd", "kernel fwd+bwd", "speed-up",
                      "pytorch peak", "kernel peak"], rows)
 
-    step_kernel = modeling.fused_window_step if "kernel" in paths else None
+    step_kernel = modeling.fused_window_step if triton else None
     rows, steps = [], []
     for B in [] if args.steps == "none" else [int(b) for b in args.steps.split(",")]:
         mixer, state, token = step_inputs(B, args.step_prompt, args.device, dtype)
