@@ -183,12 +183,19 @@ typedef struct { /* one block: its queries t0 .. t0 + nq - 1 of row (b, h), its 
     int64_t w0, Kp, ld;
 } block;
 
+/* where key k of a block lies: its element offset in the stream (ks, vs) for the first kw, else in the memory's
+ * candidates (mk, mv) */
+static inline int64_t key_offset(const job *j, const buffers *m, const block *k_, int k) {
+    if (k < k_->kw) return (((int64_t)k_->b * j->Ls + k_->w0 + k) * j->Hkv + k_->h) * j->D;
+    return (((int64_t)k_->b * j->Hkv + k_->h) * j->C + m->cand[k - k_->kw]) * j->D;
+}
+
 /* the block's keys (window rows w0 .. P0 + t0 + nq - 1, then its memory candidates) into m->Kt (and, backward,
  * m->Kr and m->Vt), values into m->V, the sinks' values after them; its rows (query i, head g of the kv head's
  * group) into m->Q */
 static block gather(const job *j, buffers *m, int b, int h, int t0, int backward) {
     int T = j->T, H = j->H, Hkv = j->Hkv, D = j->D, W = j->W, S = j->S, G = H / Hkv;
-    int64_t Ls = j->Ls, P0 = j->P0, C = j->C;
+    int64_t P0 = j->P0, C = j->C;
     const int64_t *ev = j->evict + ((int64_t)b * Hkv + h) * C;
     block k_ = {b, h, t0, T - t0 < QB ? T - t0 : QB, 0, 0, 0, 0, 0, 0};
     k_.w0 = P0 + t0 - W + 1 < 0 ? 0 : P0 + t0 - W + 1;
@@ -212,14 +219,8 @@ static block gather(const job *j, buffers *m, int b, int h, int t0, int backward
     k_.Kp = (k_.K + KT - 1) / KT * KT;
     k_.ld = k_.Kp + (S + 7) / 8 * 8;
     for (int k = 0; k < k_.K; k++) {
-        const float *key, *val;
-        if (k < k_.kw) {
-            int64_t at = (((int64_t)b * Ls + k_.w0 + k) * Hkv + h) * D;
-            key = j->ks + at, val = j->vs + at;
-        } else {
-            int64_t at = (((int64_t)b * Hkv + h) * C + m->cand[k - k_.kw]) * D;
-            key = j->mk + at, val = j->mv + at;
-        }
+        int64_t at = key_offset(j, m, &k_, k);
+        const float *key = (k < k_.kw ? j->ks : j->mk) + at, *val = (k < k_.kw ? j->vs : j->mv) + at;
         for (int d = 0; d < D; d++) m->Kt[(int64_t)d * k_.Kp + k] = key[d];
         memcpy(m->V + (int64_t)k * D, val, sizeof(float) * D);
         if (backward) {
@@ -318,7 +319,6 @@ static void transpose(const float *in, int64_t ld_in, int rows, int rows_p, int6
 
 static void backward_block(const job *j, buffers *m, int b, int h, int t0) {
     int T = j->T, H = j->H, Hkv = j->Hkv, D = j->D, S = j->S, G = H / Hkv;
-    int64_t Ls = j->Ls, C = j->C;
     block k_ = gather(j, m, b, h, t0, 1);
     weights(j, m, &k_);
     int nr = k_.nr, nr_p = (nr + RT - 1) / RT * RT;
@@ -370,14 +370,8 @@ static void backward_block(const job *j, buffers *m, int b, int h, int t0) {
                 for (int d = 0; d < D; d++) dv[d] += w[r] * m->dO[(int64_t)r * D + d];
     }
     for (int k = 0; k < k_.K; k++) {
-        float *dk, *dv;
-        if (k < k_.kw) {
-            int64_t at = (((int64_t)b * Ls + k_.w0 + k) * Hkv + h) * D;
-            dk = j->dks + at, dv = j->dvs + at;
-        } else {
-            int64_t at = (((int64_t)b * Hkv + h) * C + m->cand[k - k_.kw]) * D;
-            dk = j->dmk + at, dv = j->dmv + at;
-        }
+        int64_t at = key_offset(j, m, &k_, k);
+        float *dk = (k < k_.kw ? j->dks : j->dmk) + at, *dv = (k < k_.kw ? j->dvs : j->dmv) + at;
         for (int d = 0; d < D; d++) {
             dk[d] += j->scale * m->dK[(int64_t)k * D + d];
             dv[d] += m->dV[(int64_t)k * D + d];
