@@ -39,11 +39,12 @@ def _call(name, shape, tensors, P0, window, scale, *extra):
 
 class _WindowAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, ks, vs, mk, mv, sink_s, sink_v, rest, shape, P0, window, scale):
+    def forward(ctx, q, ks, vs, mk, mv, sink_s, sink_v, indices, shape, P0, window, scale):
+        qpos, spos, evict, last, seen = indices  # no gradients: outside autograd's inputs
         out = torch.empty(q.shape)
-        _call("aaren_window_attention", shape, (q, rest[0], ks, vs, rest[1], mk, mv, *rest[2:4], sink_s, sink_v,
-                                                rest[4]), P0, window, scale, out)
-        ctx.save_for_backward(q, ks, vs, mk, mv, sink_s, sink_v, *rest)
+        _call("aaren_window_attention", shape, (q, qpos, ks, vs, spos, mk, mv, evict, last, sink_s, sink_v, seen),
+              P0, window, scale, out)
+        ctx.save_for_backward(q, ks, vs, mk, mv, sink_s, sink_v, *indices)
         ctx.args = (shape, P0, window, scale)
         return out
 
@@ -81,9 +82,9 @@ def window_attention_cpu(q, qpos, ks, vs, spos, P0, window, scale, memory=None, 
     else:
         sink_s, sink_v, seen = sinks
     f32 = lambda x: dense(x.float())  # noqa: E731
-    rest = (dense(qpos.long()), dense(spos.long()), dense(evict.long()), dense(last.long()),
-            dense(seen.to(torch.uint8)))
+    indices = (dense(qpos.long()), dense(spos.long()), dense(evict.long()), dense(last.long()),
+               dense(seen.to(torch.uint8)))
     shape = (B, T, H, D, Hkv, Ls, mk.shape[2], sink_v.shape[1])
-    out = _WindowAttention.apply(f32(q), f32(ks), f32(vs), f32(mk), f32(mv), f32(sink_s), f32(sink_v), rest, shape,
+    out = _WindowAttention.apply(f32(q), f32(ks), f32(vs), f32(mk), f32(mv), f32(sink_s), f32(sink_v), indices, shape,
                                  int(P0), int(window), float(scale))
     return out.to(q.dtype)
