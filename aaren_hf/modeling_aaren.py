@@ -38,12 +38,12 @@ try:  # Triton kernels on CUDA and the C kernels on CPUs, when this package is i
     from aaren_hf.kernels.aaren import aaren_scan_cpu
     from aaren_hf.kernels.memory import memory_evict_cpu, memory_round_cpu
     from aaren_hf.kernels.mixer import mixer_step_cpu
-    from aaren_hf.kernels.window import window_attention_cpu
+    from aaren_hf.kernels.window import window_attention_cpu, window_cpu_takes
 except ImportError:
     chunk_aaren, fused_recurrent_aaren = chunk_aaren_torch, recurrent_aaren_torch
     aaren_scan_cpu = memory_evict_cpu = memory_round_cpu = mixer_step_cpu = window_attention_cpu = None
     fused_aaren_step = fused_chunk_aaren_mixed = fused_memory_round = fused_window_attention = None
-    fused_window_step = None
+    fused_window_step = window_cpu_takes = None
 
 
 # With a cache kept (prefill), prompts longer than this go through the model in pieces of this many tokens on a CPU.
@@ -368,11 +368,10 @@ def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sin
     Hkv = k.shape[2]
     G, W, S = H // Hkv, window, sink_k.shape[1]
     # a kernel where one takes the inputs: Triton on a GPU, C on a CPU
-    if takes_triton(fused_window_attention, q) or (window_attention_cpu is not None and not launch_bound(q.device)):
-        out = _window_attention_fused(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sink_pos, window,
-                                      inv_freq, scale, memory)
-        if out is not None:
-            return out
+    if takes_triton(fused_window_attention, q) or (
+            window_attention_cpu is not None and not launch_bound(q.device) and window_cpu_takes(q, k, v)):
+        return _window_attention_fused(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sink_pos, window,
+                                       inv_freq, scale, memory)
     k_all = torch.cat([k_prev.to(k.dtype), k], 1)
     v_all = torch.cat([v_prev.to(v.dtype), v], 1)
     pos_all = torch.cat([pos_prev, pos], 1)
@@ -472,7 +471,7 @@ def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sin
 def _window_attention_fused(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sink_pos, window, inv_freq,
                             scale, memory):
     """:func:`window_attention` by a kernel: the Triton one on a GPU (kernels/window/chunk.py), the C one on a CPU
-    (kernels/window/chunk.c; None where it does not take the inputs). Both have their backward. The
+    (kernels/window/chunk.c, where ``window_cpu_takes`` says so). Both have their backward. The
     window's keys are read where they lie, the memory's through each block's list of candidates, and what a query
     sees is decided in the kernel, so no block's keys are gathered and no mask is built (on a GPU the gathered keys
     and values were about ten times the window's, kept for backward; on a CPU each query scores its own keys rather
@@ -498,7 +497,7 @@ def _window_attention_fused(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink
         sinks = (_sink_scores(q, pos, sink_k, window, inv_freq, attend).view(B, T, H, S), sink_v.to(attend), seen)
     kernel = fused_window_attention if in_triton else window_attention_cpu
     out = kernel(qr, pos, ks, vs, spos, k_prev.shape[1], window, scale, lists, sinks)
-    return None if out is None else out.to(q.dtype)
+    return out.to(q.dtype)
 
 
 def _sink_scores(q, qpos, sink_k, window, inv_freq, attend):

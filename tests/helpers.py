@@ -293,6 +293,15 @@ def brute_force_aaren(s, v, g=None, initial_state=None):
     return o, (o[:, -1], lse[:, :, -1])
 
 
+def recording(fn, ran: list):
+    """fn, appending to ``ran`` whether each call returned a result (a kernel's None: it declined)."""
+    def wrapper(*args):
+        result = fn(*args)
+        ran.append(result is not None)
+        return result
+    return wrapper
+
+
 def kernel_beside_reference(mixer, x, mask, pos, monkeypatch, name, prompt=3, rounded=(), tol=1e-5):
     """Feed ``mixer`` the same tokens twice, a prompt of ``prompt`` tokens and then one token per call: once with the
     C decode step ``aaren_hf.modeling_aaren.<name>`` and once with it set to None (the PyTorch reference). After

@@ -26,6 +26,7 @@ from helpers import (
     incremental_logits,
     one_thread,  # noqa: F401  (autouse fixture)
     random_ids,
+    recording,
     tiny_config,
     tiny_model,
 )
@@ -390,13 +391,7 @@ def test_prompt_scan_in_c_equals_the_chunked_scan(case, monkeypatch):
     scan, ran = modeling.aaren_scan_cpu, []
     if scan is None:
         pytest.skip("aaren_hf.kernels is not importable")
-
-    def counted(*args):
-        result = scan(*args)
-        ran.append(result is not None)
-        return result
-
-    monkeypatch.setattr(modeling, "aaren_scan_cpu", counted)
+    monkeypatch.setattr(modeling, "aaren_scan_cpu", recording(scan, ran))
     model = tiny_model(**MIXER_CASES[case])
     ids, mask = random_ids(2, 21), torch.ones(2, 21, dtype=torch.long)
     mask[1, :5] = 0
@@ -433,11 +428,7 @@ def test_window_attention_in_c_equals_the_pytorch_path(case, dtype, monkeypatch)
     kernel, attention, ran = modeling.window_attention_cpu, modeling.window_attention, []
     if kernel is None:
         pytest.skip("aaren_hf.kernels is not importable")
-
-    def counted(*args):
-        result = kernel(*args)
-        ran.append(result is not None)
-        return result
+    counted = recording(kernel, ran)
 
     def close(got, want):
         assert got.dtype == want.dtype

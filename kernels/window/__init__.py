@@ -13,7 +13,7 @@ import torch
 
 from ..cbuild import dense, load
 
-__all__ = ["window_attention_cpu"]
+__all__ = ["window_attention_cpu", "window_cpu_takes"]
 
 SOURCES = (Path(__file__).parent / "chunk.c",)
 _ARGS = [ctypes.c_int] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_float,
@@ -59,19 +59,25 @@ class _WindowAttention(torch.autograd.Function):
         return (*grads, None, None, None, None, None)
 
 
+def window_cpu_takes(q, k, v) -> bool:
+    """Whether :func:`window_attention_cpu` serves queries q [B, T, H, D] with keys and values k, v [B, T, Hkv, D]:
+    a CPU, no float64, a head width and grouping the kernel takes, a compiler (and the C kernels not turned off).
+    Asked before the inputs are prepared, so that a caller that gets no prepares nothing."""
+    if q.is_cuda or torch.float64 in (q.dtype, k.dtype, v.dtype) or _library() is None:
+        return False
+    return bool(_library().aaren_window_attention_takes(q.shape[2], k.shape[2], q.shape[3]))
+
+
 def window_attention_cpu(q, qpos, ks, vs, spos, P0, window, scale, memory=None, sinks=None):
     """``window_attention_triton``'s arguments and results (``chunk.py``), to float rounding, in C, forward and
     backward (float32 inside; results and gradients in the inputs' dtypes); ``memory`` without the block lists:
     (keys, values [B, Hkv, C, D], evict [B, Hkv, C], last [T + 1]). None where it does not apply: not on a CPU,
     float64, a head width or grouping it does not take, no compiler (then the caller runs the reference). Runs on
     torch.get_num_threads() threads, as PyTorch's operators would."""
-    tensors = (q, ks, vs) + tuple(memory[:2] if memory else ()) + tuple(sinks[:2] if sinks else ())
-    if q.is_cuda or any(t.dtype == torch.float64 for t in tensors) or _library() is None:
+    if not window_cpu_takes(q, ks, vs):
         return None
     B, T, H, D = q.shape
     Hkv, Ls = ks.shape[2], ks.shape[1]
-    if not _library().aaren_window_attention_takes(H, Hkv, D):
-        return None
     if memory is None:
         mk = mv = q.new_zeros(B, Hkv, 0, D)
         evict, last = torch.zeros(B, Hkv, 0, dtype=torch.int64), torch.zeros(T + 1, dtype=torch.int64)

@@ -191,8 +191,8 @@ static inline int64_t key_offset(const job *j, const buffers *m, const block *k_
 }
 
 /* the block's keys (window rows w0 .. P0 + t0 + nq - 1, then its memory candidates) into m->Kt (and, backward,
- * m->Kr and m->Vt), values into m->V, the sinks' values after them; its rows (query i, head g of the kv head's
- * group) into m->Q */
+ * m->Kr and m->Vt), values into m->V (forward only), the sinks' values after them; its rows (query i, head g of the
+ * kv head's group) into m->Q */
 static block gather(const job *j, buffers *m, int b, int h, int t0, int backward) {
     int T = j->T, H = j->H, Hkv = j->Hkv, D = j->D, W = j->W, S = j->S, G = H / Hkv;
     int64_t P0 = j->P0, C = j->C;
@@ -222,7 +222,7 @@ static block gather(const job *j, buffers *m, int b, int h, int t0, int backward
         int64_t at = key_offset(j, m, &k_, k);
         const float *key = (k < k_.kw ? j->ks : j->mk) + at, *val = (k < k_.kw ? j->vs : j->mv) + at;
         for (int d = 0; d < D; d++) m->Kt[(int64_t)d * k_.Kp + k] = key[d];
-        memcpy(m->V + (int64_t)k * D, val, sizeof(float) * D);
+        if (!backward) memcpy(m->V + (int64_t)k * D, val, sizeof(float) * D); /* backward reads them transposed */
         if (backward) {
             memcpy(m->Kr + (int64_t)k * D, key, sizeof(float) * D);
             for (int d = 0; d < D; d++) m->Vt[(int64_t)d * k_.Kp + k] = val[d];
