@@ -131,7 +131,8 @@ typedef struct {
     float *out;                                          /* forward: the output; backward: NULL */
     const float *dout;                                   /* backward: what flows back, and the gradients: */
     float *dq, *dks, *dvs, *dmk, *dmv, *dsink_s, *dsink_v; /* dq, dsink_s written, the others added to (zeroed) */
-    int threads, tid, rc;
+    int threads, rc;
+    int64_t *next; /* the next unclaimed item, shared by the call's threads */
 } job;
 
 typedef struct {     /* one thread's buffers, sized for the widest block */
@@ -379,21 +380,26 @@ static void backward_block(const job *j, buffers *m, int b, int h, int t0) {
     }
 }
 
-/* forward: blocks tid, tid + threads, ... of all (sequence, kv head, block of QB queries), interleaved because later
- * blocks read more of the memory; backward: whole rows (sequence, kv head), whose blocks add to the same keys */
+/* Items claimed one at a time from a shared counter, so that a thread the OS does not run (a busy machine: other
+ * processes, torch's own spinning workers) holds up at most the item it has, not a fixed share. Forward, an item is a
+ * block (sequence, kv head, block of QB queries); backward, a whole row (sequence, kv head), whose blocks add to the
+ * same keys. A thread claims items in increasing order, which the carried candidate lists need (gather); every item
+ * is computed the same whichever thread takes it, so results do not depend on the threads. */
 static void *run(void *arg) {
     job *j = arg;
     buffers m;
     int nblk = (j->T + QB - 1) / QB, backward = j->out == NULL;
+    int64_t items = (int64_t)j->B * j->Hkv * (backward ? 1 : nblk);
     if (!alloc_buffers(&m, j, backward)) {
         j->rc = 2;
-    } else if (!backward) {
-        for (int64_t item = j->tid; item < (int64_t)j->B * j->Hkv * nblk; item += j->threads)
-            forward_block(j, &m, (int)(item / ((int64_t)j->Hkv * nblk)), (int)(item / nblk % j->Hkv),
-                          (int)(item % nblk) * QB);
     } else {
-        for (int64_t row = j->tid; row < (int64_t)j->B * j->Hkv; row += j->threads)
-            for (int n = 0; n < nblk; n++) backward_block(j, &m, (int)(row / j->Hkv), (int)(row % j->Hkv), n * QB);
+        for (int64_t item; (item = __atomic_fetch_add(j->next, 1, __ATOMIC_RELAXED)) < items;) {
+            if (!backward)
+                forward_block(j, &m, (int)(item / ((int64_t)j->Hkv * nblk)), (int)(item / nblk % j->Hkv),
+                              (int)(item % nblk) * QB);
+            else
+                for (int n = 0; n < nblk; n++) backward_block(j, &m, (int)(item / j->Hkv), (int)(item % j->Hkv), n * QB);
+        }
     }
     free_buffers(&m);
     return NULL;
@@ -402,22 +408,23 @@ static void *run(void *arg) {
 static int launch(job *proto, int items) {
     int threads = proto->threads;
     threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads > items ? items : threads;
+    int64_t next = 0;
     job jobs[MAX_THREADS];
     pthread_t started[MAX_THREADS];
     int running[MAX_THREADS] = {0};
     for (int t = 0; t < threads; t++) {
         jobs[t] = *proto;
-        jobs[t].threads = threads, jobs[t].tid = t, jobs[t].rc = 0;
-        /* the caller takes share 0, and any share whose thread could not start */
+        jobs[t].rc = 0, jobs[t].next = &next;
+        /* a thread that cannot start leaves its items to the others (the caller works too) */
         if (t > 0) running[t] = pthread_create(&started[t], NULL, run, &jobs[t]) == 0;
     }
     run(&jobs[0]);
     int rc = jobs[0].rc;
-    for (int t = 1; t < threads; t++) {
-        if (running[t]) pthread_join(started[t], NULL);
-        else run(&jobs[t]);
-        rc = rc ? rc : jobs[t].rc;
-    }
+    for (int t = 1; t < threads; t++)
+        if (running[t]) {
+            pthread_join(started[t], NULL);
+            rc = rc ? rc : jobs[t].rc;
+        }
     return rc;
 }
 
@@ -431,7 +438,7 @@ static int launch(job *proto, int items) {
 #define JOB                                                                                                           \
     (job) {                                                                                                           \
         B, T, H, Hkv, D, W, S, Ls, P0, C, scale, q, ks, vs, mk, mv, sink_s, sink_v, qpos, spos, evict, last,          \
-            sink_seen, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, threads, 0, 0                            \
+            sink_seen, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, threads, 0, NULL                         \
     }
 
 int aaren_window_attention(ARGS, float *out /* [B, T, H, D] */) {
