@@ -29,6 +29,7 @@ import torch
 # -ffp-contract=off: no fused multiply-adds, so values round as PyTorch's separate ops do
 FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"]
 NATIVE = ["-march=native"]
+OPENMP = ["-fopenmp"]  # threads from the pool PyTorch's operators use (window/chunk.c says how); else one thread
 
 KEEP_DAYS = 30  # a build unused this long is stale (another checkout on this machine marks its own when it loads)
 _loaded: dict = {}  # name -> library, or None once it could not be built
@@ -109,7 +110,7 @@ def load(name: str, sources: tuple, signatures: dict, instead: str, headers: tup
                           "code, decoding about half as fast", stacklevel=3)
         return None
     errors = []
-    for flags in (FLAGS + NATIVE, FLAGS):
+    for flags in (FLAGS + OPENMP + NATIVE, FLAGS + NATIVE, FLAGS):
         key = hashlib.sha256(b"".join(source.read_bytes() for source in (*sources, *headers))
                              + " ".join([cc, *flags]).encode() + _cpu_key().encode())
         target = _cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"

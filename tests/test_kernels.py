@@ -12,6 +12,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -921,6 +922,37 @@ def test_c_window_kernel_16_bit_inputs(dtype):
     for name, a, b in zip(names, got, want):
         assert a.dtype == dtype and torch.isfinite(a).all(), name
         assert (a.double() - b).abs().max() <= 2e-2 * (1 + b.abs().max()), name
+
+
+def test_c_window_kernel_same_bits_on_any_number_of_threads():
+    """Threads claim blocks (rows, backward) one at a time, in any order the OS runs them: the output and every
+    gradient must not depend on how many there are."""
+    x, args, mem, sink = window_inputs(B=2, T=150, P0=5)
+    results = []
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 5):
+            torch.set_num_threads(threads)
+            if run_window_cpu(x, args, mem, sink) is None:
+                pytest.skip("no C compiler")
+            results.append(window_grads(run_window_cpu, x, args, mem, sink)[0])
+    finally:
+        torch.set_num_threads(before)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
+
+
+def test_c_window_kernel_runs_on_torchs_openmp_runtime():
+    """The kernel's threads come from the OpenMP runtime torch already loaded (libgomp.so.1 found by its soname), not
+    a second copy whose workers would compete with torch's for the cores."""
+    from aaren_hf.kernels.window import _library
+
+    maps = Path("/proc/self/maps")
+    if not maps.exists() or _library() is None:
+        pytest.skip("needs Linux's /proc and a C compiler")
+    runtimes = {line.split()[-1] for line in maps.read_text().splitlines() if "libgomp" in line or "libiomp" in line}
+    assert len(runtimes) <= 1, runtimes
 
 
 def test_c_window_kernel_declines_where_its_reference_runs(monkeypatch):

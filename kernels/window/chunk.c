@@ -25,10 +25,12 @@
 #pragma GCC optimize("fp-contract=fast")
 
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
@@ -380,11 +382,11 @@ static void backward_block(const job *j, buffers *m, int b, int h, int t0) {
     }
 }
 
-/* Items claimed one at a time from a shared counter, so that a thread the OS does not run (a busy machine: other
- * processes, torch's own spinning workers) holds up at most the item it has, not a fixed share. Forward, an item is a
- * block (sequence, kv head, block of QB queries); backward, a whole row (sequence, kv head), whose blocks add to the
- * same keys. A thread claims items in increasing order, which the carried candidate lists need (gather); every item
- * is computed the same whichever thread takes it, so results do not depend on the threads. */
+/* Items claimed one at a time from a shared counter, so that a thread the OS does not run (a busy machine) holds up
+ * at most the item it has, not a fixed share. Forward, an item is a block (sequence, kv head, block of QB queries);
+ * backward, a whole row (sequence, kv head), whose blocks add to the same keys. A thread claims items in increasing
+ * order, which the carried candidate lists need (gather); every item is computed the same whichever thread takes it,
+ * so results do not depend on the threads. */
 static void *run(void *arg) {
     job *j = arg;
     buffers m;
@@ -405,26 +407,27 @@ static void *run(void *arg) {
     return NULL;
 }
 
+/* The threads are OpenMP's: built with -fopenmp, this library needs libgomp.so.1, which in a process that imported
+ * torch is torch's own (the loader finds that soname loaded), so a call runs on the pool that runs PyTorch's
+ * operators. Threads of our own (pthreads, until 2026-12-05) competed with that pool's waiting workers for the cores:
+ * on two idle cores 1.1-3.8x slower than now. Built without OpenMP, one thread. */
 static int launch(job *proto, int items) {
     int threads = proto->threads;
     threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads > items ? items : threads;
     int64_t next = 0;
     job jobs[MAX_THREADS];
-    pthread_t started[MAX_THREADS];
-    int running[MAX_THREADS] = {0};
     for (int t = 0; t < threads; t++) {
         jobs[t] = *proto;
         jobs[t].rc = 0, jobs[t].next = &next;
-        /* a thread that cannot start leaves its items to the others (the caller works too) */
-        if (t > 0) running[t] = pthread_create(&started[t], NULL, run, &jobs[t]) == 0;
     }
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads)
+    run(&jobs[omp_get_thread_num()]); /* a smaller team than asked for leaves its items to the others */
+#else
     run(&jobs[0]);
-    int rc = jobs[0].rc;
-    for (int t = 1; t < threads; t++)
-        if (running[t]) {
-            pthread_join(started[t], NULL);
-            rc = rc ? rc : jobs[t].rc;
-        }
+#endif
+    int rc = 0;
+    for (int t = 0; t < threads; t++) rc = rc ? rc : jobs[t].rc;
     return rc;
 }
 
