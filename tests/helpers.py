@@ -369,11 +369,11 @@ def step_inputs(model, T, gaps, seed=5):
 
 
 def code_test_vectors(seed):
-    """Vectors for checking a memory-codes kernel against ``MemoryCodes``: shapes with widths 2-256 and a leading
-    shape with no rows, each vector scaled by one of 1e-30 .. 1e30, then a zero vector and a channel near float32's
-    largest."""
+    """Vectors for checking a memory-codes kernel against ``MemoryCodes``: shapes with widths 2-256 (every power of 2
+    from 8: the C kernel codes 8 channels at a time from 8 at 8 bits, from 16 at 4) and a leading shape with no
+    rows, each vector scaled by one of 1e-30 .. 1e30, then a zero vector and a channel near float32's largest."""
     gen = torch.Generator().manual_seed(seed)
-    for shape in ((2, 1, 3, 37, 64), (5, 2), (9, 256), (4, 0, 16)):
+    for shape in ((2, 1, 3, 37, 64), (5, 2), (9, 256), (4, 0, 16), (6, 128), (7, 32), (3, 16), (5, 8)):
         x = torch.randn(*shape, generator=gen)
         x = x * torch.logspace(-30, 30, 11)[torch.randint(0, 11, shape[:-1] + (1,), generator=gen)]
         if x.numel():

@@ -43,6 +43,13 @@ static inline v8f load8(const float *p) {
     return x;
 }
 
+static inline void store8(float *p, v8f x) { memcpy(p, &x, sizeof(x)); }
+
+static inline v8f splat8(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
+
+/* where mask (-1 lanes) a, else b: C's vector extension has no ?: */
+static inline v8f select8(v8i32 mask, v8f a, v8f b) { return (v8f)(((v8i32)a & mask) | ((v8i32)b & ~mask)); }
+
 /* row of D elements at element offset off of a float32 or bfloat16 array, as float32 */
 static inline void load_row(float *dst, const void *src, int bf16, int64_t off, int D) {
     if (!bf16) {
@@ -57,8 +64,31 @@ static inline void load_row(float *dst, const void *src, int bf16, int64_t off, 
 }
 
 /* x times the +-1 Sylvester-Hadamard matrix, as modeling_aaren.hadamard's butterflies (without its 1 / D): the top
- * bit of the index is paired each round and becomes the lowest */
+ * bit of the index is paired each round and becomes the lowest. For D a multiple of 16, eight pairs at a time: the
+ * same sums of the same pairs, so the same bits; with D known when compiled (the common head widths) the rounds run
+ * in registers. */
+static inline __attribute__((always_inline)) void butterflies_by_8(float *x, const int D) {
+    v8f r[MAX_D / 8], t[MAX_D / 8];
+    for (int i = 0; i < D / 8; i++) r[i] = load8(x + 8 * i);
+    for (int n = D; n > 1; n >>= 1) {
+        for (int i = 0; i < D / 16; i++) {
+            v8f a = r[i], b = r[i + D / 16], s = a + b, d = a - b;
+            t[2 * i] = __builtin_shuffle(s, d, (v8i32){0, 8, 1, 9, 2, 10, 3, 11});
+            t[2 * i + 1] = __builtin_shuffle(s, d, (v8i32){4, 12, 5, 13, 6, 14, 7, 15});
+        }
+        for (int i = 0; i < D / 8; i++) r[i] = t[i];
+    }
+    for (int i = 0; i < D / 8; i++) store8(x + 8 * i, r[i]);
+}
+
 static inline void butterflies(float *x, int D) {
+    switch (D) {
+    case 64: butterflies_by_8(x, 64); return;
+    case 128: butterflies_by_8(x, 128); return;
+    case 32: butterflies_by_8(x, 32); return;
+    case 256: butterflies_by_8(x, 256); return;
+    case 16: butterflies_by_8(x, 16); return;
+    }
     float t[MAX_D];
     for (int n = D; n > 1; n >>= 1) {
         int half = D / 2;
@@ -70,30 +100,75 @@ static inline void butterflies(float *x, int D) {
     }
 }
 
-/* MemoryCodes.encode of one vector: codes (D / 2 bytes at 4 bits, D at 8) and a bfloat16 scale */
-static inline void encode(const float *x_in, int D, int bits, int rotate, uint8_t *codes, uint16_t *scale) {
-    float x[MAX_D];
-    float top = bits == 8 ? 127.0f : 7.0f;
-    for (int d = 0; d < D; d++) x[d] = rotate ? x_in[d] / (float)D : x_in[d];
-    if (rotate) butterflies(x, D);
+/* the largest |x[d]|, NaN if any is (the scale then codes nothing) */
+static inline float largest_magnitude(const float *x, int D) {
     float amax = 0.0f;
-    for (int d = 0; d < D; d++) {
+    int d = 0;
+    if (D % 8 == 0) {
+        v8f m = splat8(0.0f);
+        v8i32 nan = {0};
+        for (; d < D; d += 8) {
+            v8f a = (v8f)((v8i32)load8(x + d) & 0x7fffffff);
+            nan |= a != a;
+            m = select8(a > m, a, m);
+        }
+        for (int l = 0; l < 8; l++) {
+            if (nan[l]) return NAN;
+            if (m[l] > amax) amax = m[l];
+        }
+        return amax;
+    }
+    for (; d < D; d++) {
         float a = fabsf(x[d]);
         if (a > amax || isnan(a)) amax = a;
     }
+    return amax;
+}
+
+/* MemoryCodes.encode of one vector: codes (D / 2 bytes at 4 bits, D at 8) and a bfloat16 scale. Eight channels at a
+ * time where the widths allow and the scale is finite: there |x / den| <= top (1 + 2^-8), where adding and taking
+ * away 1.5 * 2^23 rounds half to even as rintf does. */
+static inline void encode(const float *x_in, int D, int bits, int rotate, uint8_t *codes, uint16_t *scale) {
+    float x[MAX_D];
+    float top = bits == 8 ? 127.0f : 7.0f;
+    int d = 0;
+    if (rotate)
+        for (; d + 8 <= D; d += 8) store8(x + d, load8(x_in + d) / (float)D);
+    for (; d < D; d++) x[d] = rotate ? x_in[d] / (float)D : x_in[d];
+    if (rotate) butterflies(x, D);
+    float amax = largest_magnitude(x, D);
     uint16_t sc = float_to_bf16(amax / top);
     float den = bf16_to_float(sc);
     if (den < 1.17549435e-38f) den = 1.17549435e-38f; /* clamp(min=finfo(float32).tiny) */
+    int half = D / 2;
+    if (amax <= 3.40282347e38f && D % (bits == 8 ? 8 : 16) == 0) {
+        v8f magic = splat8(12582912.0f), hi = splat8(top), lo = splat8(-top);
+        for (d = 0; d < (bits == 8 ? D : half); d += 8) {
+            v8f q = (load8(x + d) / den + magic) - magic;
+            q = select8(q < lo, lo, select8(q > hi, hi, q));
+            if (bits == 8) {
+                v8i8 c = __builtin_convertvector(__builtin_convertvector(q, v8i32), v8i8);
+                memcpy(codes + d, &c, 8);
+                continue;
+            }
+            v8f q2 = (load8(x + d + half) / den + magic) - magic;
+            q2 = select8(q2 < lo, lo, select8(q2 > hi, hi, q2));
+            v8i32 packed = __builtin_convertvector(q + 8.0f, v8i32) | (__builtin_convertvector(q2 + 8.0f, v8i32) << 4);
+            v8u8 c = __builtin_convertvector(packed, v8u8);
+            memcpy(codes + d, &c, 8);
+        }
+        *scale = sc;
+        return;
+    }
     float c[MAX_D];
-    for (int d = 0; d < D; d++) {
+    for (d = 0; d < D; d++) {
         float q = rintf(x[d] / den);
         c[d] = q < -top ? -top : (q > top ? top : q);
     }
     if (bits == 8) {
-        for (int d = 0; d < D; d++) ((int8_t *)codes)[d] = (int8_t)c[d];
+        for (d = 0; d < D; d++) ((int8_t *)codes)[d] = (int8_t)c[d];
     } else {
-        int half = D / 2;
-        for (int d = 0; d < half; d++)
+        for (d = 0; d < half; d++)
             codes[d] = (uint8_t)((uint8_t)(c[d] + 8.0f) | ((uint8_t)(c[d + half] + 8.0f) << 4));
     }
     *scale = sc;
