@@ -943,6 +943,42 @@ def test_c_window_kernel_same_bits_on_any_number_of_threads():
             assert torch.equal(a, b)
 
 
+def test_c_window_kernel_built_without_openmp_runs_on_one_thread(monkeypatch, tmp_path):
+    """A compiler that refuses -fopenmp (clang without libomp, say): the next flags build the kernel without it, no
+    warning, and it computes the same bits on one thread."""
+    import shutil
+    import warnings
+
+    import aaren_hf.kernels.cbuild as cbuild
+    from aaren_hf.kernels import window
+
+    x, args, mem, sink = window_inputs(B=2, T=150, P0=5)
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None or run_window_cpu(x, args, mem, sink) is None:
+        pytest.skip("no C compiler")
+    want = window_grads(run_window_cpu, x, args, mem, sink)[0]
+    fake = tmp_path / "cc-without-openmp"
+    fake.write_text(f'#!/bin/sh\nfor a; do [ "$a" = -fopenmp ] && exit 1; done\nexec {cc} "$@"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("CC", str(fake))
+    monkeypatch.setenv("AAREN_HF_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cbuild, "_loaded", {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lib = window._library()
+    assert lib is not None
+    built = list((tmp_path / "cache" / "kernels").glob("window-*.so"))
+    assert len(built) == 1 and b"GOMP_parallel" not in built[0].read_bytes()
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = window_grads(run_window_cpu, x, args, mem, sink)[0]
+    finally:
+        torch.set_num_threads(before)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
 def test_c_window_kernel_runs_on_torchs_openmp_runtime():
     """The kernel's threads come from the OpenMP runtime torch already loaded (libgomp.so.1 found by its soname), not
     a second copy whose workers would compete with torch's for the cores."""
