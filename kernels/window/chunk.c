@@ -143,7 +143,9 @@ typedef struct {     /* one thread's buffers, sized for the widest block */
     float *Kr, *Vt, *dO, *dS, *T1, *dK, *dV; /* backward: keys as rows, values transposed, dO rows, dS, a transpose,
                                                 and the block's key gradients */
     int64_t *cand;
-    uint8_t *seen;
+    int32_t *seen; /* per key of the block (then the sinks'): -1 where the query sees it, else 0 */
+    int32_t *key_index, *key_evict; /* per key of the block: a window row's 0 (a token) or -1 (none), a memory
+                                       candidate's index and eviction: what decides who sees it (gather) */
     int64_t row, scanned;         /* the (sequence, kv head) whose memory candidates cand holds, and up to where */
     int km;
 } buffers;
@@ -161,8 +163,10 @@ static int alloc_buffers(buffers *m, const job *j, int backward) {
     m->O = malloc(sizeof(float) * rows_p * D);
     m->P = malloc(sizeof(float) * rows_p * ld);
     m->cand = malloc(sizeof(int64_t) * (j->C + 1));
-    m->seen = malloc(m->kpad);
-    int ok = m->Kt && m->V && m->Q && m->O && m->P && m->cand && m->seen;
+    m->seen = malloc(sizeof(int32_t) * ld);
+    m->key_index = malloc(sizeof(int32_t) * m->kpad);
+    m->key_evict = malloc(sizeof(int32_t) * m->kpad);
+    int ok = m->Kt && m->V && m->Q && m->O && m->P && m->cand && m->seen && m->key_index && m->key_evict;
     if (backward) {
         m->Kr = malloc(sizeof(float) * m->kpad * D);
         m->Vt = malloc(sizeof(float) * D * m->kpad);
@@ -177,7 +181,7 @@ static int alloc_buffers(buffers *m, const job *j, int backward) {
 }
 
 static void free_buffers(buffers *m) {
-    free(m->Kt); free(m->V); free(m->Q); free(m->O); free(m->P); free(m->cand); free(m->seen);
+    free(m->Kt); free(m->V); free(m->Q); free(m->O); free(m->P); free(m->cand); free(m->seen); free(m->key_index); free(m->key_evict);
     free(m->Kr); free(m->Vt); free(m->dO); free(m->dS); free(m->T1); free(m->dK); free(m->dV);
 }
 
@@ -220,6 +224,15 @@ static block gather(const job *j, buffers *m, int b, int h, int t0, int backward
     }
     k_.K = k_.kw + (C > 0 ? m->km : 0);
     k_.Kp = (k_.K + KT - 1) / KT * KT;
+    for (int k = 0; k < k_.Kp; k++) {
+        if (k < k_.kw) {
+            m->key_index[k] = j->spos[(int64_t)b * j->Ls + k_.w0 + k] >= 0 ? 0 : -1, m->key_evict[k] = 0;
+        } else if (k < k_.K) {
+            m->key_index[k] = (int32_t)m->cand[k - k_.kw], m->key_evict[k] = (int32_t)ev[m->cand[k - k_.kw]];
+        } else {
+            m->key_index[k] = 0, m->key_evict[k] = 0;
+        }
+    }
     k_.ld = k_.Kp + (S + 7) / 8 * 8;
     for (int k = 0; k < k_.K; k++) {
         int64_t at = key_offset(j, m, &k_, k);
@@ -251,9 +264,8 @@ static block gather(const job *j, buffers *m, int b, int h, int t0, int backward
  * for every column of a padding query and for the rows past the last */
 static void weights(const job *j, buffers *m, const block *k_) {
     int T = j->T, H = j->H, Hkv = j->Hkv, D = j->D, W = j->W, S = j->S, G = H / Hkv, S8 = (S + 7) / 8 * 8;
-    int64_t Kp = k_->Kp, ld = k_->ld, Ls = j->Ls, C = j->C;
+    int64_t Kp = k_->Kp, ld = k_->ld, C = j->C;
     int nr_p = (k_->nr + RT - 1) / RT * RT;
-    const int64_t *ev = j->evict + ((int64_t)k_->b * Hkv + k_->h) * C;
     float *P = m->P;
     for (int r0 = 0; r0 < nr_p; r0 += RT)
         for (int k0 = 0; k0 < Kp; k0 += KT) score_tile(m->Q + (int64_t)r0 * D, D, m->Kt, Kp, k0, P + r0 * ld, ld);
@@ -265,21 +277,33 @@ static void weights(const job *j, buffers *m, const block *k_) {
             continue;
         }
         int64_t stream = j->P0 + t, lt = C > 0 ? j->last[t] : -1;
-        for (int k = 0; k < k_->kw; k++) {
-            int64_t r = k_->w0 + k;
-            m->seen[k] = r > stream - W && r <= stream && j->spos[(int64_t)k_->b * Ls + r] >= 0;
+        /* what this query sees, 8 keys at a time: window rows w0 + k in (stream - W, stream] that hold a token, and
+         * the memory candidates c (key kw + n) with c <= lt < evict[c] */
+        int32_t *seen = m->seen;
+        v8i iota = {0, 1, 2, 3, 4, 5, 6, 7};
+        int32_t lo = (int32_t)(stream - W + 1 - k_->w0), hi = (int32_t)(stream - k_->w0), l32 = (int32_t)lt;
+        for (int k = 0; k < Kp; k += 8) {
+            v8i kk = iota + k, a, e;
+            memcpy(&a, m->key_index + k, sizeof(a));
+            memcpy(&e, m->key_evict + k, sizeof(e));
+            v8i win = (kk >= lo) & (kk <= hi) & (a >= 0) & (kk < k_->kw);
+            v8i mem = (kk >= k_->kw) & (kk < k_->K) & (a <= l32) & (l32 < e);
+            v8i out = win | mem;
+            memcpy(seen + k, &out, sizeof(out));
         }
-        for (int k = k_->kw; k < k_->K; k++) m->seen[k] = m->cand[k - k_->kw] <= lt && lt < ev[m->cand[k - k_->kw]];
         const uint8_t *sseen = j->sink_seen + ((int64_t)k_->b * T + t) * S;
         for (int g = 0; g < G; g++) {
             float *row = P + (int64_t)(i * G + g) * ld;
-            for (int k = 0; k < k_->K; k++) row[k] = m->seen[k] ? row[k] * j->scale : -INFINITY;
-            for (int64_t k = k_->K; k < Kp; k++) row[k] = -INFINITY;
             const float *ss = j->sink_s + (((int64_t)k_->b * T + t) * H + (int64_t)k_->h * G + g) * S;
-            for (int s = 0; s < S8; s++) row[Kp + s] = s < S && sseen[s] ? ss[s] * j->scale : -INFINITY;
-            v8f top8 = splat(-INFINITY);
+            for (int s = 0; s < S8; s++) row[Kp + s] = s < S && sseen[s] ? ss[s] : 0.0f;
+            for (int s = 0; s < S8; s++) seen[Kp + s] = -(s < S && sseen[s]);
+            /* scaled where seen, -inf where not (8 at a time), and the row's largest */
+            v8f top8 = splat(-INFINITY), scale = splat(j->scale), none = splat(-INFINITY);
             for (int64_t k = 0; k < ld; k += 8) {
-                v8f x = load8(row + k);
+                v8i in;
+                memcpy(&in, seen + k, sizeof(in));
+                v8f x = (v8f)(((v8i)(load8(row + k) * scale) & in) | ((v8i)none & ~in));
+                store8(row + k, x);
                 top8 = (v8f)(((v8i)x & (x > top8)) | ((v8i)top8 & ~(x > top8)));
             }
             float top = -INFINITY;
