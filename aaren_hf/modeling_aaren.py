@@ -38,10 +38,10 @@ try:  # Triton kernels on CUDA and the C kernels on CPUs, when this package is i
     from aaren_hf.kernels.aaren import aaren_scan_cpu
     from aaren_hf.kernels.memory import memory_evict_cpu, memory_round_cpu
     from aaren_hf.kernels.mixer import mixer_step_cpu
-    from aaren_hf.kernels.window import window_attention_cpu, window_cpu_takes
+    from aaren_hf.kernels.window import rotate_cpu, window_attention_cpu, window_cpu_takes
 except ImportError:
     chunk_aaren, fused_recurrent_aaren = chunk_aaren_torch, recurrent_aaren_torch
-    aaren_scan_cpu = memory_evict_cpu = memory_round_cpu = mixer_step_cpu = window_attention_cpu = None
+    aaren_scan_cpu = memory_evict_cpu = memory_round_cpu = mixer_step_cpu = rotate_cpu = window_attention_cpu = None
     fused_aaren_step = fused_chunk_aaren_mixed = fused_memory_round = fused_window_attention = None
     fused_window_step = window_cpu_takes = None
 
@@ -310,7 +310,13 @@ def rotary_angles(pos: torch.Tensor, inv_freq: torch.Tensor):
 
 
 def rotate_by(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """:func:`rotate` with the angles' cos and sin from :func:`rotary_angles`."""
+    """:func:`rotate` with the angles' cos and sin from :func:`rotary_angles`. With the aaren_hf package, on a CPU,
+    one C pass (``rotate_cpu``, kernels/window) gives the same bits where autograd need not see it; this code is
+    its reference."""
+    if rotate_cpu is not None and not (torch.is_grad_enabled() and x.requires_grad):
+        rotated = rotate_cpu(x, cos, sin)
+        if rotated is not None:
+            return rotated
     rot = cos.shape[-1]
     xr, xp = x[..., :rot].float(), x[..., rot:]
     x1, x2 = xr[..., : rot // 2], xr[..., rot // 2 :]

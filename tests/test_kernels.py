@@ -943,6 +943,36 @@ def test_c_window_kernel_same_bits_on_any_number_of_threads():
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("shape,rot", [((2, 37, 9, 64), 64), ((1, 1, 4, 64), 64), ((3, 5, 2, 24), 16),
+                                       ((1, 300, 3, 128), 64)])
+def test_c_rotary_is_the_references_bit_for_bit(shape, rot, monkeypatch):
+    """rotate_by on a CPU (kernels/window/rotate.c) against its PyTorch code: full and partial rotary, one token and
+    many, large angles, values of every scale; the gradient through rotate() the same bit for bit too."""
+    import aaren_hf.modeling_aaren as modeling
+    from aaren_hf.kernels.window import rotate_cpu
+
+    gen = torch.Generator().manual_seed(rot)
+    x = torch.randn(*shape, generator=gen) * torch.logspace(-20, 20, shape[-1])
+    pos = torch.randint(0, 1 << 20, shape[:2], generator=gen)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot))
+    cos, sin = modeling.rotary_angles(pos, inv_freq)
+    got = rotate_cpu(x, cos, sin)
+    if got is None:
+        pytest.skip("no C compiler")
+    wide = (cos.expand(*shape[:2], 2, rot), sin.expand(*shape[:2], 2, rot))  # not the shape it takes
+    assert rotate_cpu(x.double(), cos, sin) is None and rotate_cpu(x, *wide) is None
+    assert rotate_cpu(*(t.to("meta") for t in (x, cos, sin))) is None  # shapes only: nothing to read
+    xg = x.clone().requires_grad_()
+    grad = torch.randn(shape, generator=gen)
+    with_c = (modeling.rotate(x, pos, inv_freq), torch.autograd.grad(modeling.rotate(xg, pos, inv_freq), xg, grad)[0])
+    monkeypatch.setattr(modeling, "rotate_cpu", None)
+    want = modeling.rotate_by(x, cos, sin)
+    reference = (modeling.rotate(x, pos, inv_freq),
+                 torch.autograd.grad(modeling.rotate(xg, pos, inv_freq), xg, grad)[0])
+    assert torch.equal(got, want)
+    assert torch.equal(with_c[0], reference[0]) and torch.equal(with_c[1], reference[1])
+
+
 def test_c_window_kernel_built_without_openmp_runs_on_one_thread(monkeypatch, tmp_path):
     """A compiler that refuses -fopenmp (clang without libomp, say): the next flags build the kernel without it, no
     warning, and it computes the same bits on one thread."""

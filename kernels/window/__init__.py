@@ -1,6 +1,7 @@
 """The window branch: its attention for training and prefill in Triton for a GPU (``chunk.py``) and in C for a CPU
 (``chunk.c``, ``window_attention_cpu``, forward and backward), both with the reference in the PyTorch path of
-``window_attention`` in modeling_aaren.py; its one-token decode step (reference: ``AarenMixer.window_step``) in
+``window_attention`` in modeling_aaren.py; its rotary embedding in C for a CPU (``rotate.c``, ``rotate_cpu``,
+reference ``rotate_by``, bit for bit); its one-token decode step (reference: ``AarenMixer.window_step``) in
 Triton for a GPU (``fused_recurrent.py``) and in C for a CPU (``step.c``, the same algorithm), the C one compiled
 with the Aaren branch's into the mixer's one call per layer (``kernels/mixer``)."""
 
@@ -13,18 +14,38 @@ import torch
 
 from ..cbuild import dense, load
 
-__all__ = ["window_attention_cpu", "window_cpu_takes"]
+__all__ = ["rotate_cpu", "window_attention_cpu", "window_cpu_takes"]
 
-SOURCES = (Path(__file__).parent / "chunk.c",)
+SOURCES = (Path(__file__).parent / "chunk.c", Path(__file__).parent / "rotate.c")
 _ARGS = [ctypes.c_int] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_float,
                                                       ctypes.c_int] + [ctypes.c_void_p] * 12
 SIGNATURES = {"aaren_window_attention_takes": (ctypes.c_int, [ctypes.c_int] * 3),
               "aaren_window_attention": (ctypes.c_int, _ARGS + [ctypes.c_void_p]),
-              "aaren_window_attention_backward": (ctypes.c_int, _ARGS + [ctypes.c_void_p] * 8)}
+              "aaren_window_attention_backward": (ctypes.c_int, _ARGS + [ctypes.c_void_p] * 8),
+              "aaren_rotate": (ctypes.c_int, [ctypes.c_int64] + [ctypes.c_int] * 3 + [ctypes.c_void_p] * 4)}
 
 
 def _library():
     return load("window", SOURCES, SIGNATURES, "the PyTorch window attention")
+
+
+def rotate_cpu(x, cos, sin):
+    """``rotate_by(x, cos, sin)`` (modeling_aaren.py) in one pass, the same bits: float32 x [B, T, h, D] on a CPU,
+    cos and sin [B, T, 1, rot] float32 as ``rotary_angles`` gives them. None where it does not apply (other dtypes
+    or shapes, not on a CPU: the meta device too, no compiler); no gradient (the caller's autograd Function, or no_grad, provides that)."""
+    if (any(t.device.type != "cpu" for t in (x, cos, sin)) or x.dim() != 4 or torch.float32 != x.dtype
+            or torch.float32 != cos.dtype or sin.dtype != cos.dtype or cos.shape != sin.shape
+            or cos.shape != (*x.shape[:2], 1, cos.shape[-1])):
+        return None
+    lib = _library()
+    if lib is None:
+        return None
+    B, T, h, D = x.shape
+    x_, out = dense(x), torch.empty(x.shape)
+    if lib.aaren_rotate(B * T, h, D, cos.shape[-1], x_.data_ptr(), dense(cos).data_ptr(), dense(sin).data_ptr(),
+                        out.data_ptr()) != 0:
+        return None
+    return out
 
 
 def _call(name, shape, tensors, P0, window, scale, *extra):
