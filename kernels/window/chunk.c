@@ -181,7 +181,8 @@ static int alloc_buffers(buffers *m, const job *j, int backward) {
 }
 
 static void free_buffers(buffers *m) {
-    free(m->Kt); free(m->V); free(m->Q); free(m->O); free(m->P); free(m->cand); free(m->seen); free(m->key_index); free(m->key_evict);
+    free(m->Kt); free(m->V); free(m->Q); free(m->O); free(m->P); free(m->cand); free(m->seen);
+    free(m->key_index); free(m->key_evict);
     free(m->Kr); free(m->Vt); free(m->dO); free(m->dS); free(m->T1); free(m->dK); free(m->dV);
 }
 
@@ -411,8 +412,7 @@ static void backward_block(const job *j, buffers *m, int b, int h, int t0) {
  * backward, a whole row (sequence, kv head), whose blocks add to the same keys. A thread claims items in increasing
  * order, which the carried candidate lists need (gather); every item is computed the same whichever thread takes it,
  * so results do not depend on the threads. */
-static void *run(void *arg) {
-    job *j = arg;
+static void run(job *j) {
     buffers m;
     int nblk = (j->T + QB - 1) / QB, backward = j->out == NULL;
     int64_t items = (int64_t)j->B * j->Hkv * (backward ? 1 : nblk);
@@ -428,7 +428,6 @@ static void *run(void *arg) {
         }
     }
     free_buffers(&m);
-    return NULL;
 }
 
 /* The threads are OpenMP's: built with -fopenmp, this library needs libgomp.so.1, which in a process that imported
