@@ -1033,6 +1033,7 @@ def test_c_window_kernel_declines_where_its_reference_runs(monkeypatch):
         pytest.skip("no C compiler")
     assert run_window_cpu({n: t.double() for n, t in x.items()}, args, mem, sink) is None
     assert run_window_cpu(window_inputs(T=20, D=20)[0], args, mem, sink) is None
+    assert run_window_cpu({n: t.to("meta") for n, t in x.items()}, args, mem, sink) is None  # nothing to read
     monkeypatch.setenv("AAREN_BACKEND", "torch")
     assert run_window_cpu(x, args, mem, sink) is None
 

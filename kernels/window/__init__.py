@@ -17,6 +17,7 @@ from ..cbuild import dense, load
 __all__ = ["rotate_cpu", "window_attention_cpu", "window_cpu_takes"]
 
 SOURCES = (Path(__file__).parent / "chunk.c", Path(__file__).parent / "rotate.c")
+HEADERS = (Path(__file__).parent.parent / "memory" / "codes.h",)  # chunk.c's 8-float vector helpers
 _ARGS = [ctypes.c_int] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_float,
                                                       ctypes.c_int] + [ctypes.c_void_p] * 12
 SIGNATURES = {"aaren_window_attention_takes": (ctypes.c_int, [ctypes.c_int] * 3),
@@ -26,7 +27,7 @@ SIGNATURES = {"aaren_window_attention_takes": (ctypes.c_int, [ctypes.c_int] * 3)
 
 
 def _library():
-    return load("window", SOURCES, SIGNATURES, "the PyTorch window attention")
+    return load("window", SOURCES, SIGNATURES, "the PyTorch window attention", HEADERS)
 
 
 def rotate_cpu(x, cos, sin):
@@ -84,7 +85,7 @@ def window_cpu_takes(q, k, v) -> bool:
     """Whether :func:`window_attention_cpu` serves queries q [B, T, H, D] with keys and values k, v [B, T, Hkv, D]:
     a CPU, no float64, a head width and grouping the kernel takes, a compiler (and the C kernels not turned off).
     Asked before the inputs are prepared, so that a caller that gets no prepares nothing."""
-    if q.is_cuda or torch.float64 in (q.dtype, k.dtype, v.dtype) or _library() is None:
+    if q.device.type != "cpu" or torch.float64 in (q.dtype, k.dtype, v.dtype) or _library() is None:
         return False
     return bool(_library().aaren_window_attention_takes(q.shape[2], k.shape[2], q.shape[3]))
 

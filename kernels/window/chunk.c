@@ -22,8 +22,6 @@
  * read by several blocks of its row (sequence, kv head), so each thread takes whole rows: no two threads add to one
  * key.
  */
-#pragma GCC optimize("fp-contract=fast")
-
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -32,8 +30,9 @@
 #include <omp.h>
 #endif
 
-typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
+#include "../memory/codes.h" /* 8-float vectors: v8f, v8i32, load8, store8, splat8, select8 */
+
+#pragma GCC optimize("fp-contract=fast") /* after the include: its coding keeps the reference's roundings */
 
 #define QB 16  /* queries per block: each reads QB + W - 1 window rows, so fewer means less waste, more passes */
 #define KT 32  /* keys per score tile (4 vectors) */
@@ -41,32 +40,22 @@ typedef int32_t v8i __attribute__((vector_size(32)));
 #define MAX_G 16
 #define MAX_THREADS 256
 
-static inline v8f load8(const float *p) {
-    v8f x;
-    memcpy(&x, p, sizeof(x));
-    return x;
-}
-
-static inline void store8(float *p, v8f x) { memcpy(p, &x, sizeof(x)); }
-
-static inline v8f splat(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
-
 /* exp of x <= 0 (-inf included) for 8 floats: Cephes' expf (x = n ln 2 + r, a degree-6 polynomial in r, 2^n in the
  * exponent bits); 0 below -80, where a weight no longer moves a float32 sum that holds the row's top weight 1 */
 static inline v8f exp8(v8f x) {
-    v8i live = x > splat(-80.0f);
-    x = (v8f)(((v8i)x & live) | ((v8i)splat(-80.0f) & ~live));
-    v8f n = (x * splat(1.44269504088896341f) + splat(12582912.0f)) - splat(12582912.0f); /* round to nearest */
-    v8f r = (x - n * splat(0.693359375f)) + n * splat(2.12194440e-4f);
-    v8f p = splat(1.9875691500e-4f);
-    p = p * r + splat(1.3981999507e-3f);
-    p = p * r + splat(8.3334519073e-3f);
-    p = p * r + splat(4.1665795894e-2f);
-    p = p * r + splat(1.6666665459e-1f);
-    p = p * r + splat(5.0000001201e-1f);
-    p = p * (r * r) + r + splat(1.0f);
-    v8i e = (__builtin_convertvector(n, v8i) + 127) << 23;
-    return (v8f)((v8i)(p * (v8f)e) & live);
+    v8i32 live = x > splat8(-80.0f);
+    x = select8(live, x, splat8(-80.0f));
+    v8f n = (x * splat8(1.44269504088896341f) + splat8(12582912.0f)) - splat8(12582912.0f); /* round to nearest */
+    v8f r = (x - n * splat8(0.693359375f)) + n * splat8(2.12194440e-4f);
+    v8f p = splat8(1.9875691500e-4f);
+    p = p * r + splat8(1.3981999507e-3f);
+    p = p * r + splat8(8.3334519073e-3f);
+    p = p * r + splat8(4.1665795894e-2f);
+    p = p * r + splat8(1.6666665459e-1f);
+    p = p * r + splat8(5.0000001201e-1f);
+    p = p * (r * r) + r + splat8(1.0f);
+    v8i32 e = (__builtin_convertvector(n, v8i32) + 127) << 23;
+    return (v8f)((v8i32)(p * (v8f)e) & live);
 }
 
 /* S[r][k0 .. k0 + KT) = <Q[r], key k> for RT rows: Q [rows][D], Kt [D][ldk] (keys transposed) */
@@ -77,7 +66,7 @@ static inline void score_tile(const float *Q, int D, const float *Kt, int64_t ld
         const float *kt = Kt + (int64_t)d * ldk + k0;
         v8f k_0 = load8(kt), k_1 = load8(kt + 8), k_2 = load8(kt + 16), k_3 = load8(kt + 24);
         for (int r = 0; r < RT; r++) {
-            v8f qv = splat(Q[(int64_t)r * D + d]);
+            v8f qv = splat8(Q[(int64_t)r * D + d]);
             acc[r][0] += qv * k_0;
             acc[r][1] += qv * k_1;
             acc[r][2] += qv * k_2;
@@ -99,7 +88,7 @@ static inline void value_tile(const float *P, int64_t ldp, const float *V, int D
         if (nv == 4) {
             v8f v_0 = load8(vk), v_1 = load8(vk + 8), v_2 = load8(vk + 16), v_3 = load8(vk + 24);
             for (int r = 0; r < RT; r++) {
-                v8f p = splat(P[r * ldp + k]);
+                v8f p = splat8(P[r * ldp + k]);
                 acc[r][0] += p * v_0;
                 acc[r][1] += p * v_1;
                 acc[r][2] += p * v_2;
@@ -107,7 +96,7 @@ static inline void value_tile(const float *P, int64_t ldp, const float *V, int D
             }
         } else {
             v8f v_0 = load8(vk);
-            for (int r = 0; r < RT; r++) acc[r][0] += splat(P[r * ldp + k]) * v_0;
+            for (int r = 0; r < RT; r++) acc[r][0] += splat8(P[r * ldp + k]) * v_0;
         }
     }
     for (int r = 0; r < RT; r++)
@@ -281,15 +270,15 @@ static void weights(const job *j, buffers *m, const block *k_) {
         /* what this query sees, 8 keys at a time: window rows w0 + k in (stream - W, stream] that hold a token, and
          * the memory candidates c (key kw + n) with c <= lt < evict[c] */
         int32_t *seen = m->seen;
-        v8i iota = {0, 1, 2, 3, 4, 5, 6, 7};
+        v8i32 iota = {0, 1, 2, 3, 4, 5, 6, 7};
         int32_t lo = (int32_t)(stream - W + 1 - k_->w0), hi = (int32_t)(stream - k_->w0), l32 = (int32_t)lt;
         for (int k = 0; k < Kp; k += 8) {
-            v8i kk = iota + k, a, e;
+            v8i32 kk = iota + k, a, e;
             memcpy(&a, m->key_index + k, sizeof(a));
             memcpy(&e, m->key_evict + k, sizeof(e));
-            v8i win = (kk >= lo) & (kk <= hi) & (a >= 0) & (kk < k_->kw);
-            v8i mem = (kk >= k_->kw) & (kk < k_->K) & (a <= l32) & (l32 < e);
-            v8i out = win | mem;
+            v8i32 win = (kk >= lo) & (kk <= hi) & (a >= 0) & (kk < k_->kw);
+            v8i32 mem = (kk >= k_->kw) & (kk < k_->K) & (a <= l32) & (l32 < e);
+            v8i32 out = win | mem;
             memcpy(seen + k, &out, sizeof(out));
         }
         const uint8_t *sseen = j->sink_seen + ((int64_t)k_->b * T + t) * S;
@@ -299,24 +288,24 @@ static void weights(const job *j, buffers *m, const block *k_) {
             for (int s = 0; s < S8; s++) row[Kp + s] = s < S && sseen[s] ? ss[s] : 0.0f;
             for (int s = 0; s < S8; s++) seen[Kp + s] = -(s < S && sseen[s]);
             /* scaled where seen, -inf where not (8 at a time), and the row's largest */
-            v8f top8 = splat(-INFINITY), scale = splat(j->scale), none = splat(-INFINITY);
+            v8f top8 = splat8(-INFINITY), scale = splat8(j->scale), none = splat8(-INFINITY);
             for (int64_t k = 0; k < ld; k += 8) {
-                v8i in;
+                v8i32 in;
                 memcpy(&in, seen + k, sizeof(in));
-                v8f x = (v8f)(((v8i)(load8(row + k) * scale) & in) | ((v8i)none & ~in));
+                v8f x = select8(in, load8(row + k) * scale, none);
                 store8(row + k, x);
-                top8 = (v8f)(((v8i)x & (x > top8)) | ((v8i)top8 & ~(x > top8)));
+                top8 = select8(x > top8, x, top8);
             }
             float top = -INFINITY;
             for (int e = 0; e < 8; e++) top = top8[e] > top ? top8[e] : top;
-            v8f sum8 = splat(0.0f);
+            v8f sum8 = splat8(0.0f);
             for (int64_t k = 0; k < ld; k += 8) {
-                v8f w = exp8(load8(row + k) - splat(top));
+                v8f w = exp8(load8(row + k) - splat8(top));
                 store8(row + k, w);
                 sum8 += w;
             }
             float sum = ((sum8[0] + sum8[1]) + (sum8[2] + sum8[3])) + ((sum8[4] + sum8[5]) + (sum8[6] + sum8[7]));
-            v8f inv = splat(1.0f / sum);
+            v8f inv = splat8(1.0f / sum);
             for (int64_t k = 0; k < ld; k += 8) store8(row + k, load8(row + k) * inv);
         }
     }
@@ -367,10 +356,10 @@ static void backward_block(const job *j, buffers *m, int b, int h, int t0) {
                 for (int d = 0; d < D; d++) dot += m->dO[(int64_t)r * D + d] * m->V[(Kp + s) * D + d];
             ds[Kp + s] = dot;
         }
-        v8f acc = splat(0.0f);
+        v8f acc = splat8(0.0f);
         for (int64_t k = 0; k < ld; k += 8) acc += load8(p + k) * load8(ds + k);
         float delta = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-        for (int64_t k = 0; k < ld; k += 8) store8(ds + k, load8(p + k) * (load8(ds + k) - splat(delta)));
+        for (int64_t k = 0; k < ld; k += 8) store8(ds + k, load8(p + k) * (load8(ds + k) - splat8(delta)));
     }
     memset(dS + (int64_t)nr * ld, 0, sizeof(float) * (nr_p - nr) * ld);
     /* dQ = scale dS K (keys only), dsink_s = scale dS at the sinks' columns */
