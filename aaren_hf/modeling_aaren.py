@@ -921,7 +921,7 @@ class AarenMixer(nn.Module):
         if self.aaren_branch:
             self.build_aaren_branch(config)
         if self.window > 0:
-            self.register_buffer("rope_inv_freq", torch.zeros(config.rotary_dim // 2), persistent=True)
+            self.register_buffer("rope_inv_freq", torch.zeros(config.rotary_dim // 2, dtype=torch.float32), persistent=True)
         self.memory_rule = config.memory_rule
         self.memory_shared_layer = config.memory_shared_layer
         self.kv_cache_dtype = getattr(torch, config.kv_cache_dtype) if config.kv_cache_dtype else None

@@ -161,6 +161,21 @@ def test_in_process_reload_is_identical(saved, name):
         torch.testing.assert_close(base(PROMPT).last_hidden_state, expected[name + "_hidden"], atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_load_keeps_rotary_frequencies_in_float32(saved, dtype):
+    """A model loaded in 16 bits keeps the rotary frequencies it was saved with, as the teacher (Llama) keeps its own:
+    rounded to bfloat16 (8 bits) the angles drift by up to 2^-9 of the position, a turn every few thousand tokens."""
+    root, _ = saved
+    saved_freq = load_file(str(root / "tied" / "model.safetensors"))["model.layers.0.mixer.rope_inv_freq"]
+    assert saved_freq.dtype == torch.float32 and not torch.equal(saved_freq.to(dtype).float(), saved_freq)
+    model = AutoModelForCausalLM.from_pretrained(root / "tied", dtype=dtype)
+    mixer = model.model.layers[0].mixer
+    assert mixer.q_proj.weight.dtype == dtype
+    assert mixer.rope_inv_freq.dtype == torch.float32 and torch.equal(mixer.rope_inv_freq, saved_freq)
+    with torch.no_grad():
+        assert torch.isfinite(model(PROMPT).logits).all()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # A fresh process without the package
 # ---------------------------------------------------------------------------------------------------------------
