@@ -205,7 +205,7 @@ def build_models(args):
 
     torch.manual_seed(args.seed)
     if args.student is not None:
-        from aaren_hf.conversion.cli import teacher_of
+        from aaren_hf.conversion.convert import teacher_of
 
         teacher = AutoModelForCausalLM.from_pretrained(teacher_of(args.student), dtype=torch.float32,
                                                        attn_implementation="sdpa")

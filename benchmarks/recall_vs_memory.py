@@ -158,17 +158,20 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     import aaren_hf  # noqa: F401
-    from aaren_hf.conversion.convert import load_teacher, resolve_teacher
+    from aaren_hf.conversion.convert import ConversionError, conversion_record, load_teacher, teacher_of
     from aaren_hf.conversion.data import load_token_windows, text_tokens
     from aaren_hf.conversion.evaluate import (_kv_dtype, equal_memory_window, format_bytes, long_heldout_windows,
                                               perplexity, recall_probe, streaming_llm_baseline)
     from aaren_hf.conversion.retention_baseline import retention_baseline
 
     model_dir = Path(args.model)
-    record = json.loads((model_dir / "conversion.json").read_text())
+    try:  # the teacher, data and recipe of the conversion that made the model
+        record = conversion_record(model_dir)
+        teacher_name = teacher_of(model_dir, record)
+    except ConversionError as err:
+        parser.error(f"--model: {err}")
     options = record["options"]
-    tokenizer, teacher = load_teacher(resolve_teacher(None, options.get("recipe")) if options.get("recipe")
-                                      else record["teacher"])
+    tokenizer, teacher = load_teacher(teacher_name)
     windows = load_token_windows(tokenizer, list(options["data"]), seq_len=options["seq_len"], num_train=None,
                                  num_heldout=options["heldout_windows"], seed=options["seed"])
     filler = text_tokens(windows.heldout, tokenizer)

@@ -387,46 +387,20 @@ def run_convert(argv: list[str]) -> int:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def teacher_of(model_dir: Path) -> str:
-    """The teacher a converted model folder was distilled from, as its conversion.json records it (a local teacher
-    relative to the folder, the packaged one through its recipe), resolved for loading. ConversionError when the
-    folder does not say."""
-    from .convert import ConversionError, resolve_teacher
-
-    path = Path(model_dir) / "conversion.json"
-    if not path.is_file():
-        raise ConversionError(f"{model_dir} has no conversion.json naming its teacher")
-    record = json.loads(path.read_text())
-    recorded = record.get("options", {})
-    teacher, recipe = None, None
-    relative = recorded.get("teacher")
-    if relative and (Path(model_dir) / relative).is_dir():
-        teacher = str(Path(model_dir) / relative)
-    elif relative is None and recorded.get("recipe"):
-        recipe = recorded["recipe"]
-    else:
-        teacher = record.get("teacher")
-    if teacher is None and recipe is None:
-        raise ConversionError(f"{path} names no teacher")
-    return resolve_teacher(teacher, recipe)
-
-
 def run_eval(argv: list[str]) -> int:
     parser = eval_parser()
     args = parser.parse_args(argv)
     model_dir = Path(args.model).expanduser()
     if not (model_dir / "config.json").is_file():
         parser.error(f"--model {args.model!r} is not a model folder (no config.json); give a converted model folder")
-    record = {}
-    if (model_dir / "conversion.json").is_file():
-        record = json.loads((model_dir / "conversion.json").read_text())
-    recorded = record.get("options", {})
-    from .convert import ConversionError, load_teacher, long_length, resolve_teacher
+    from .convert import ConversionError, conversion_record, load_teacher, long_length, resolve_teacher, teacher_of
 
     try:
-        teacher = resolve_teacher(args.teacher) if args.teacher else teacher_of(model_dir)
+        record = conversion_record(model_dir)
+        teacher = resolve_teacher(args.teacher) if args.teacher else teacher_of(model_dir, record)
     except ConversionError as error:
         parser.error(str(error) if args.teacher else f"--teacher is needed: {error}")
+    recorded = record.get("options", {})
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()

@@ -182,6 +182,43 @@ def resolve_teacher(teacher: Optional[str], recipe: Optional[str] = None) -> str
     return teacher
 
 
+def conversion_record(model_dir) -> dict:
+    """What ``conversion.json`` in a converted model folder records ({} where the folder has none: a model not
+    converted here). ConversionError when the file cannot be read."""
+    path = Path(model_dir) / "conversion.json"
+    if not path.is_file():
+        return {}
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConversionError(f"{path} cannot be read ({err}): convert the model again, or move the file away and "
+                              "pass --teacher and --data") from None
+    if not isinstance(record, dict):
+        raise ConversionError(f"{path} holds no record of a conversion; pass --teacher explicitly")
+    return record
+
+
+def teacher_of(model_dir, record: Optional[dict] = None) -> str:
+    """The teacher a converted model folder was distilled from, as its conversion.json (or the ``record`` read from
+    it) says (a local teacher relative to the folder, the packaged one through its recipe), resolved for loading.
+    ConversionError when the folder does not say."""
+    record = conversion_record(model_dir) if record is None else record
+    if not record:
+        raise ConversionError(f"{model_dir} has no conversion.json naming its teacher")
+    recorded = record.get("options", {})
+    teacher, recipe = None, None
+    relative = recorded.get("teacher")
+    if relative and (Path(model_dir) / relative).is_dir():
+        teacher = str(Path(model_dir) / relative)
+    elif relative is None and recorded.get("recipe"):
+        recipe = recorded["recipe"]
+    else:
+        teacher = record.get("teacher")
+    if teacher is None and recipe is None:
+        raise ConversionError(f"{Path(model_dir) / 'conversion.json'} names no teacher")
+    return resolve_teacher(teacher, recipe)
+
+
 def teacher_display_name(teacher: str) -> str:
     return Path(str(teacher).rstrip("/")).name
 

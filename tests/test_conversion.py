@@ -377,6 +377,10 @@ def test_cli_eval_subcommand(tiny, tmp_path, capsys):
     assert results["setup"]["window_length"] == 48
     code, _, err = run_cli(["eval", "--model", str(tmp_path / "missing")], capsys)
     assert code == 2 and "not a model folder" in err
+    record = (out / "conversion.json").read_text()
+    (out / "conversion.json").write_text(record[: len(record) // 2])  # truncated: a clear error, not a traceback
+    code, _, err = run_cli(["eval", "--model", str(out), "--quick"], capsys)
+    assert code == 2 and "conversion.json cannot be read" in err and "Traceback" not in err
 
 
 def test_bench_model_times_a_converted_folder_against_its_own_teacher(tiny, tmp_path, capsys):
@@ -384,7 +388,7 @@ def test_bench_model_times_a_converted_folder_against_its_own_teacher(tiny, tmp_
     names (the same one `aaren-convert eval` finds); refused with --real or a folder that is not a model."""
     from transformers import AutoModelForCausalLM
 
-    from aaren_hf.conversion.cli import teacher_of
+    from aaren_hf.conversion.convert import teacher_of
     from aaren_hf.conversion.convert import ConversionError, convert
     from test_bench_model import load_bench
 
