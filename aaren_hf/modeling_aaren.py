@@ -276,13 +276,14 @@ class AarenMLP(nn.Module):
         return self.fc_out(self.act_fn(self.fc_in(x)))
 
 
-def rotate(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding (rotate-half convention) on the first 2 * len(inv_freq) channels. x [B, T, h, D], pos [B, T]."""
+def rotate(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, angles=None) -> torch.Tensor:
+    """Rotary embedding (rotate-half convention) on the first 2 * len(inv_freq) channels. x [B, T, h, D], pos [B, T];
+    ``angles``: ``rotary_angles(pos, inv_freq)`` where the caller has them already."""
     if inv_freq.shape[0] == 0:
         return x
     if torch.is_grad_enabled() and x.requires_grad:
-        return _Rotate.apply(x, pos, inv_freq)
-    return rotate_by(x, *rotary_angles(pos, inv_freq))
+        return _Rotate.apply(x, pos, inv_freq, angles)
+    return rotate_by(x, *(angles or rotary_angles(pos, inv_freq)))
 
 
 class _Rotate(torch.autograd.Function):
@@ -291,15 +292,51 @@ class _Rotate(torch.autograd.Function):
     The same gradient bit for bit: the transpose of the rotation is the rotation by -angle."""
 
     @staticmethod
-    def forward(ctx, x, pos, inv_freq):
+    def forward(ctx, x, pos, inv_freq, angles=None):
         ctx.save_for_backward(pos, inv_freq)
-        return rotate_by(x, *rotary_angles(pos, inv_freq))
+        return rotate_by(x, *(angles or rotary_angles(pos, inv_freq)))
 
     @staticmethod
     def backward(ctx, grad):
         pos, inv_freq = ctx.saved_tensors
         cos, sin = rotary_angles(pos, inv_freq)
-        return rotate_by(grad, cos, -sin), None, None
+        return rotate_by(grad, cos, -sin), None, None, None
+
+
+class Rotary:
+    """The window branch's rotary angles for a piece of tokens at positions ``pos`` [B, T] (padding, -1, turned as
+    position 0): at the tokens' positions (keys and queries), and those by which the sink keys turn (back by
+    0..n-1 in :func:`_sink_scores`, on to the window's edge in a decode step). Each is computed when first asked and
+    serves every layer of the pass with the same frequencies (:meth:`AarenMixer.rotary`): the same bits, 3 x 6
+    operators a layer fewer in a prefill."""
+
+    def __init__(self, pos: torch.Tensor, inv_freq: torch.Tensor):
+        self.pos, self.inv_freq = pos.clamp(min=0), inv_freq
+        self._known = {}  # what: (positions, (cos, sin))
+
+    def _at(self, what, positions):
+        if what not in self._known:
+            positions = positions()
+            self._known[what] = positions, rotary_angles(positions, self.inv_freq)
+        return self._known[what]
+
+    def angles(self):
+        """(cos, sin) [B, T, 1, rot] at the tokens' positions."""
+        return self._at("pos", lambda: self.pos)[1]
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, h, D] rotated at the tokens' positions."""
+        return rotate(x, self.pos, self.inv_freq, self.angles())
+
+    def turn_back(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, n, h, D] with row i turned back by i positions (rotated at -i)."""
+        B, n = x.shape[:2]
+        back, angles = self._at(("back", B, n), lambda: -torch.arange(n, device=x.device).expand(B, -1))
+        return rotate(x, back, self.inv_freq, angles)
+
+    def turn_on(self, edge: int):
+        """(cos, sin) [B, T, 1, rot] at max(pos - edge, 0): a decode step turns the sink keys on by that."""
+        return self._at(("on", edge), lambda: (self.pos - edge).clamp(min=0))[1]
 
 
 def rotary_angles(pos: torch.Tensor, inv_freq: torch.Tensor):
@@ -352,11 +389,12 @@ def float32_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return _Float32Product.apply(a, b)
 
 
-def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sink_pos, window, inv_freq, scale,
+def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sink_pos, window, rotary, scale,
                      memory=None):
     """Exact softmax attention of each token over the last ``window`` tokens, plus sink tokens outside the window.
 
-    q [B, T, H, D] (not rotated); k, v [B, T, Hkv, D] (k rotated at pos); pos [B, T] (-1: padding);
+    q [B, T, H, D] (not rotated); k, v [B, T, Hkv, D] (k rotated at pos); pos [B, T] (-1: padding); ``rotary``: the
+    :class:`Rotary` of pos;
     k_prev, v_prev, pos_prev: up to ``window - 1`` earlier entries (may be empty); sink_*: [B, S, ...] with keys rotated
     at their own position (S may be 0). A sink is seen at distance min(pos, S + W - 1) - i, as in a StreamingLLM
     cache whose sinks sit just before the window, so distances stay within what the window has seen. Sinks still
@@ -377,7 +415,7 @@ def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sin
     if takes_triton(fused_window_attention, q) or (
             window_attention_cpu is not None and not launch_bound(q.device) and window_cpu_takes(q, k, v)):
         return _window_attention_fused(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sink_pos, window,
-                                       inv_freq, scale, memory)
+                                       rotary, scale, memory)
     k_all = torch.cat([k_prev.to(k.dtype), k], 1)
     v_all = torch.cat([v_prev.to(v.dtype), v], 1)
     pos_all = torch.cat([pos_prev, pos], 1)
@@ -406,7 +444,8 @@ def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sin
     # [B, n, Hkv, keys, Dx]: one attention call per (block, kv head) serves its G query heads
     attend = _attention_dtype(q)
     qw = q.new_zeros(B, nblk, Hkv, G, Q, Dx, dtype=attend)
-    qw[..., :D] = rotate(qp, qpos.clamp(min=0), inv_freq).view(B, nblk, Q, Hkv, G, D).permute(0, 1, 3, 4, 2, 5)
+    qr = F.pad(rotary.rotate(q), (0, 0, 0, 0, 0, Tp - T))
+    qw[..., :D] = qr.view(B, nblk, Q, Hkv, G, D).permute(0, 1, 3, 4, 2, 5)
     # every key and value a block reads is a row of one small table (the window's [B, T', Hkv] rows, the memory's
     # [B, Hkv, C], the sinks' [B, Hkv, S]) that one index_select copies into place: the largest tensors of a prefill
     # are written once, with no per-part copies to concatenate
@@ -433,7 +472,7 @@ def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sin
         # sinks are seen from position c = min(p, S + W - 1), by queries rotated there, so their scores are not
         # q . k: computed apart, they ride in S more query dimensions, which only the S sink keys read (one-hot
         # there)
-        scores = _sink_scores(qp, qpos.reshape(B, Tp), sink_k, W, inv_freq, attend)
+        scores = _sink_scores(qp, qpos.reshape(B, Tp), sink_k, W, rotary, attend)
         qw[..., D:D + S] = scores.view(B, nblk, Q, Hkv, G, S).permute(0, 1, 3, 4, 2, 5)
         rows.append(arange(B * Hkv * S).view(B, 1, Hkv, S) + sum(part.shape[0] for part in table_k))
         table_k.append(F.pad(torch.eye(S, device=q.device, dtype=attend), (D, Dx - D - S)).repeat(B * Hkv, 1))
@@ -474,7 +513,7 @@ def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sin
     return out.masked_fill((pos < 0).view(B, T, 1, 1), 0.0).to(q.dtype)  # not in place: out may view SDPA's own
 
 
-def _window_attention_fused(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sink_pos, window, inv_freq,
+def _window_attention_fused(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sink_pos, window, rotary,
                             scale, memory):
     """:func:`window_attention` by a kernel: the Triton one on a GPU (kernels/window/chunk.py), the C one on a CPU
     (kernels/window/chunk.c, where ``window_cpu_takes`` says so). Both have their backward. The
@@ -485,7 +524,7 @@ def _window_attention_fused(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink
     B, T, H, D = q.shape
     S, attend = sink_k.shape[1], _attention_dtype(q)
     in_triton = takes_triton(fused_window_attention, q)
-    qr = rotate(q, pos.clamp(min=0), inv_freq).to(attend)
+    qr = rotary.rotate(q).to(attend)
     ks, vs = (torch.cat([prev.to(attend), x.to(attend)], 1) for prev, x in ((k_prev, k), (v_prev, v)))
     spos = torch.cat([pos_prev, pos], 1)
     lists = None
@@ -500,13 +539,13 @@ def _window_attention_fused(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink
     if S > 0:
         sp = sink_pos.view(B, 1, S)
         seen = (sp >= 0) & (sp <= pos.unsqueeze(-1) - window) & (pos >= 0).unsqueeze(-1)
-        sinks = (_sink_scores(q, pos, sink_k, window, inv_freq, attend).view(B, T, H, S), sink_v.to(attend), seen)
+        sinks = (_sink_scores(q, pos, sink_k, window, rotary, attend).view(B, T, H, S), sink_v.to(attend), seen)
     kernel = fused_window_attention if in_triton else window_attention_cpu
     out = kernel(qr, pos, ks, vs, spos, k_prev.shape[1], window, scale, lists, sinks)
     return out.to(q.dtype)
 
 
-def _sink_scores(q, qpos, sink_k, window, inv_freq, attend):
+def _sink_scores(q, qpos, sink_k, window, rotary, attend):
     """Scores [B, T, Hkv, G, S] of queries q [B, T, H, D] (not rotated) at qpos [B, T] against the S sinks, each query
     rotated to c = min(p, S + W - 1) (:func:`window_attention`): <R(c) q, k> = <q, R(-c) k>, so the sink keys are
     turned back by each of the S + W values of c (a few rows), one of them per query, rather than every query rotated
@@ -514,8 +553,7 @@ def _sink_scores(q, qpos, sink_k, window, inv_freq, attend):
     B, T, H, D = q.shape
     S, Hkv, W = sink_k.shape[1], sink_k.shape[2], window
     arange = partial(torch.arange, device=q.device)
-    turned = rotate(sink_k.float().unsqueeze(1).expand(B, S + W, S, Hkv, D).reshape(B, S + W, S * Hkv, D),
-                    -arange(S + W).expand(B, -1), inv_freq)
+    turned = rotary.turn_back(sink_k.float().unsqueeze(1).expand(B, S + W, S, Hkv, D).reshape(B, S + W, S * Hkv, D))
     c = qpos.clamp(min=0, max=S + W - 1) + arange(0, B * (S + W), S + W).view(B, 1)
     sink_keys = turned.reshape(B * (S + W), S, Hkv, D).index_select(0, c.flatten()).view(B, T, S, Hkv, D)
     return torch.matmul(q.to(attend).view(B, T, Hkv, H // Hkv, D), sink_keys.to(attend).permute(0, 1, 3, 4, 2))
@@ -921,7 +959,8 @@ class AarenMixer(nn.Module):
         if self.aaren_branch:
             self.build_aaren_branch(config)
         if self.window > 0:
-            self.register_buffer("rope_inv_freq", torch.zeros(config.rotary_dim // 2, dtype=torch.float32), persistent=True)
+            inv_freq = torch.zeros(config.rotary_dim // 2, dtype=torch.float32)  # float32 in a 16-bit model too
+            self.register_buffer("rope_inv_freq", inv_freq, persistent=True)
         self.memory_rule = config.memory_rule
         self.memory_shared_layer = config.memory_shared_layer
         self.kv_cache_dtype = getattr(torch, config.kv_cache_dtype) if config.kv_cache_dtype else None
@@ -1122,7 +1161,8 @@ class AarenMixer(nn.Module):
         if self.steps_one_token(state, T):
             return self.window_step(q, k, v, pos, state, retention, shared)
         # every path (training, prefill, decoding) computes on the keys/values as the cache stores them
-        k = round_to_cache(rotate(k, pos.clamp(min=0), self.rope_inv_freq), self.kv_cache_dtype)
+        rotary = self.rotary(pos, shared)
+        k = round_to_cache(rotary.rotate(k), self.kv_cache_dtype)
         v = round_to_cache(v, self.kv_cache_dtype)
         stored = self.kv_cache_dtype or k.dtype
         S = self.num_sinks
@@ -1149,8 +1189,7 @@ class AarenMixer(nn.Module):
         if self.memory_size > 0:
             memory, candidates = self.memory_candidates(k, v, pos, retention, k_prev, v_prev, pos_prev, state)
         out = window_attention(
-            q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sink_pos, self.window, self.rope_inv_freq,
-            self.scale, memory,
+            q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sink_pos, self.window, rotary, self.scale, memory,
         )
         if state is not None:
             # The next token sees itself plus the W - 1 entries before it. Fewer than W - 1 so far: empty entries
@@ -1275,22 +1314,25 @@ class AarenMixer(nn.Module):
         state.sink_k, state.sink_v, state.sink_pos = sink_k, sink_v, sink_pos
         return out.to(q.dtype)
 
+    def rotary(self, pos, shared: Optional[dict]) -> Rotary:
+        """The :class:`Rotary` of this piece's positions for :meth:`window_branch`: without gradients (prefill and
+        decoding) one per pass for every layer with the same frequencies (``shared``); per layer while training (a data-parallel wrapper writes the buffers each step, a new version to compare:
+        on a GPU a read back per layer and step), while torch.compile traces, or where the frequencies cannot be
+        compared."""
+        sharing = shared is not None and not torch.is_grad_enabled() and not _compiling()
+        known = shared.setdefault("rotary", []) if sharing else []
+        for rotary in known:
+            if _same_values(rotary.inv_freq, self.rope_inv_freq):
+                return rotary
+        known.append(Rotary(pos, self.rope_inv_freq))
+        return known[-1]
+
     def step_angles(self, pos, shared: Optional[dict]):
         """((cos, sin) at the token's position, (cos, sin) of the turn of the sink keys or None), each [B, 1, 1, rot],
-        for :meth:`window_step`; the first computed as window_branch computes them, so that the key is stored bit
-        for bit the same. Every layer with the same frequencies and window needs the same ones: computed once per
-        pass (``shared``); per layer while torch.compile traces (it fuses them anyway) or where the frequencies
-        cannot be compared (the meta device, inference tensors)."""
-        S, W = self.num_sinks, self.window
-        key = (S + W - 1) if S > 0 else None
-        known = [] if shared is None or _compiling() else shared.setdefault("step_angles", [])
-        for inv_freq, k, angles in known:
-            if k == key and _same_values(inv_freq, self.rope_inv_freq):
-                return angles
-        at_token = rotary_angles(pos.clamp(min=0), self.rope_inv_freq)
-        sink_turn = None if S == 0 else rotary_angles((pos - (S + W - 1)).clamp(min=0), self.rope_inv_freq)
-        known.append((self.rope_inv_freq, key, (at_token, sink_turn)))
-        return at_token, sink_turn
+        for :meth:`window_step` and :meth:`step_in_c`: the first as window_branch computes them, so that the key is
+        stored bit for bit the same; once per pass for the layers that share them (:meth:`rotary`)."""
+        rotary, S = self.rotary(pos, shared), self.num_sinks
+        return rotary.angles(), None if S == 0 else rotary.turn_on(S + self.window - 1)
 
     def offer_to_memory(self, state, stored: torch.dtype):
         """The oldest window entry leaves the window (the step of :meth:`window_step`): it enters the memory if it

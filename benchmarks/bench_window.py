@@ -51,7 +51,7 @@ def inputs(B, T, H=9, Hkv=3, D=64, W=64, S=1, M=448, device="cuda", dtype=torch.
     memory = (k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous(), evict, last, M)
     empty = k.new_zeros(B, 0, Hkv, D)
     sinks = (k[:, :S].contiguous(), v[:, :S].contiguous(), pos[:, :S].contiguous())
-    return (q, k, v, pos, empty, empty, pos[:, :0], *sinks, W, inv_freq, D ** -0.5, memory)
+    return (q, k, v, pos, empty, empty, pos[:, :0], *sinks, W, modeling.Rotary(pos, inv_freq), D ** -0.5, memory)
 
 
 def run(args_, grad):

@@ -210,13 +210,16 @@ def test_a_gpu_train_step_and_prefill_never_wait_for_the_device(case, monkeypatc
     memory's codes by their Triton kernels in Triton's interpreter) read nothing back to the host: on a GPU each read
     waits for every launch before it, so the host stops queueing work while the device drains its queue, once per
     read (the sinks' ``nonzero``, the memory's list width and its last candidate were three such reads per layer).
-    Forward and backward of a left-padded batch, then a prefill in two pieces with a cache."""
+    Forward and backward of a left-padded batch, then a prefill in two pieces with a cache. (A prefill compares the
+    layers' rotary frequencies, to compute shared angles once: once per version of them, here in a first prefill.)"""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(modeling, "launch_bound", lambda device: True)
     model = tiny_model(chunk_size=16, **MIXER_CASES[case])
     ids = random_ids(2, 40, seed=2)
     mask = torch.ones_like(ids)
     mask[1, :5] = 0
+    with torch.no_grad():
+        model(ids[:, :3], past_key_values=AarenCache(model.config), use_cache=True)
     reads = HostReads()
     with reads:
         model(ids, attention_mask=mask, use_cache=False).logits.square().sum().backward()
@@ -258,6 +261,48 @@ def test_a_gpu_decode_step_computes_its_angles_once_for_the_layers_that_share_th
     per_layer, per_layer_counts, _ = steps(share=False)
     assert counts == [2, 2, 2, 4, 4, 4] and per_layer_counts == [6] * 6 and reads == []
     assert torch.equal(shared, per_layer)
+
+
+@pytest.mark.parametrize("launch_bound", [False, True])
+def test_a_prefill_computes_its_rotary_angles_once_for_the_layers_that_share_them(launch_bound, monkeypatch):
+    """A prefill piece computes the window branch's rotary angles (at the tokens, for keys and queries; and the sinks'
+    turn back) once for all layers with the same frequencies (``Rotary``), where each layer computed them three times:
+    three layers, 2 computations per piece against 6 per layer, 4 once one layer's frequencies differ. Training
+    computes them per layer: 2 in forward (keys and queries share theirs), 3 in backward (each gradient turned back
+    by angles computed again, not kept). Logits, state and gradients equal the per-layer path's bit for bit, on a
+    CPU and as a GPU runs it."""
+    monkeypatch.setattr(modeling, "launch_bound", lambda device: launch_bound)
+    ids = random_ids(2, 24, seed=5)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    real, calls = modeling.rotary_angles, []
+    monkeypatch.setattr(modeling, "rotary_angles", lambda *a: calls.append(1) or real(*a))
+
+    def run(share, rewrite=False):
+        model = tiny_model(num_hidden_layers=3, **MIXER_CASES["memory_int4_hadamard"])
+        if rewrite:
+            model.model.layers[1].mixer.rope_inv_freq.mul_(1.5)
+        same = modeling._same_values if share else (lambda a, b: a is b)
+        counts = []
+        with mock.patch.object(modeling, "_same_values", same):
+            cache = AarenCache(model.config)
+            with torch.no_grad():
+                for piece in (slice(0, 15), slice(15, 24)):
+                    calls.clear()
+                    out = model(ids[:, piece], attention_mask=mask[:, :piece.stop], past_key_values=cache,
+                                use_cache=True).logits
+                    counts.append(len(calls))
+            calls.clear()
+            model(ids, attention_mask=mask, labels=ids).loss.backward()
+            counts.append(len(calls))
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        return counts, [out, *cache.layers[2].tensors().values(), *grads]
+
+    counts, shared = run(share=True)
+    per_layer_counts, per_layer = run(share=False)
+    assert counts == [2, 2, 15] and per_layer_counts == [6, 6, 15]
+    assert len(shared) == len(per_layer) and all(torch.equal(a, b) for a, b in zip(shared, per_layer))
+    assert run(share=True, rewrite=True)[0] == [4, 4, 15]
 
 
 @pytest.mark.parametrize("case", ["memory_learned", "memory_int4_hadamard"])
