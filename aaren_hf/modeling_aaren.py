@@ -1315,10 +1315,11 @@ class AarenMixer(nn.Module):
         return out.to(q.dtype)
 
     def rotary(self, pos, shared: Optional[dict]) -> Rotary:
-        """The :class:`Rotary` of this piece's positions for :meth:`window_branch`: without gradients (prefill and
-        decoding) one per pass for every layer with the same frequencies (``shared``); per layer while training (a data-parallel wrapper writes the buffers each step, a new version to compare:
-        on a GPU a read back per layer and step), while torch.compile traces, or where the frequencies cannot be
-        compared."""
+        """The :class:`Rotary` of this piece's positions for the window branch: without gradients (prefill and
+        decoding) one per pass for every layer with the same frequencies (``shared``); per layer while training (a
+        data-parallel wrapper writes the buffers each step, a new version to compare: on a GPU a read back per layer
+        and step), while torch.compile traces, or where the frequencies cannot be compared (the meta device,
+        inference tensors)."""
         sharing = shared is not None and not torch.is_grad_enabled() and not _compiling()
         known = shared.setdefault("rotary", []) if sharing else []
         for rotary in known:
