@@ -170,15 +170,15 @@ def test_recall_vs_memory_script_on_a_converted_folder(tiny, tmp_path, monkeypat
     import importlib
     import json
     import sys
-    from pathlib import Path
 
     from aaren_hf.conversion.convert import convert
+    from test_bench_model import load_bench
 
     teacher, data = tiny
     mixer = {"num_query_slots": 2, "decay": "learned", "window_size": 8, "num_sink_tokens": 1, "window_gate": "head",
              "memory_size": 4, "memory_rule": "learned"}
     out = convert(tiny_options(teacher, data, tmp_path / "out", mixer=mixer))
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    load_bench()  # benchmarks/ on sys.path
     script = importlib.import_module("recall_vs_memory")
     monkeypatch.chdir(tmp_path / "out")
     monkeypatch.setattr(sys, "argv", ["recall_vs_memory.py", "--model", str(out), "--memory-sizes", "2,4",
