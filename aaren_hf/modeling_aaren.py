@@ -36,14 +36,15 @@ try:  # Triton kernels on CUDA and the C kernels on CPUs, when this package is i
                                   fused_memory_round, fused_recurrent_aaren, fused_window_attention, fused_window_step,
                                   select_backend)
     from aaren_hf.kernels.aaren import aaren_scan_cpu
-    from aaren_hf.kernels.memory import memory_evict_cpu, memory_round_cpu
+    from aaren_hf.kernels.memory import memory_evict_cpu, memory_prefill_cpu, memory_round_cpu
     from aaren_hf.kernels.mixer import mixer_step_cpu
-    from aaren_hf.kernels.window import rotate_cpu, window_attention_cpu, window_cpu_takes
+    from aaren_hf.kernels.window import rotate_cpu, window_attention_cpu, window_cpu_takes, window_prefill_cpu
 except ImportError:
     chunk_aaren, fused_recurrent_aaren = chunk_aaren_torch, recurrent_aaren_torch
-    aaren_scan_cpu = memory_evict_cpu = memory_round_cpu = mixer_step_cpu = rotate_cpu = window_attention_cpu = None
+    aaren_scan_cpu = memory_evict_cpu = memory_prefill_cpu = memory_round_cpu = mixer_step_cpu = None
+    rotate_cpu = window_attention_cpu = None
     fused_aaren_step = fused_chunk_aaren_mixed = fused_memory_round = fused_window_attention = None
-    fused_window_step = window_cpu_takes = None
+    fused_window_step = window_cpu_takes = window_prefill_cpu = None
 
 
 # With a cache kept (prefill), prompts longer than this go through the model in pieces of this many tokens on a CPU.
@@ -1160,10 +1161,7 @@ class AarenMixer(nn.Module):
         B, T, Hkv, D = k.shape
         if self.steps_one_token(state, T):
             return self.window_step(q, k, v, pos, state, retention, shared)
-        # every path (training, prefill, decoding) computes on the keys/values as the cache stores them
         rotary = self.rotary(pos, shared)
-        k = round_to_cache(rotary.rotate(k), self.kv_cache_dtype)
-        v = round_to_cache(v, self.kv_cache_dtype)
         stored = self.kv_cache_dtype or k.dtype
         S = self.num_sinks
         if state is not None and state.window_k is not None:
@@ -1175,16 +1173,30 @@ class AarenMixer(nn.Module):
             pos_prev = pos.new_zeros(B, 0)
             sink_k, sink_v = k.new_zeros(B, S, Hkv, D, dtype=stored), v.new_zeros(B, S, Hkv, D, dtype=stored)
             sink_pos = pos.new_full((B, S), -1)
-        if S > 0:
-            # the first S real tokens become sinks (slot = position); keys were rotated at their own position. Found
-            # by comparison, not nonzero(), which reads back to the host (a GPU would wait for every launch before)
-            slots = torch.arange(S, device=pos.device)
-            hit = pos.unsqueeze(-1) == slots  # [B, T, S]
-            found = hit.any(1)  # [B, S]
-            at = hit.to(torch.uint8).argmax(1).view(B, S, 1, 1).expand(B, S, Hkv, D)  # the token in each slot
-            sink_k = torch.where(found.view(B, S, 1, 1), k.gather(1, at).to(sink_k.dtype), sink_k)
-            sink_v = torch.where(found.view(B, S, 1, 1), v.gather(1, at).to(sink_v.dtype), sink_v)
-            sink_pos = torch.where(found, slots, sink_pos)
+        k = rotary.rotate(k)
+        prefilled = None
+        if window_prefill_cpu is not None:
+            # with the aaren_hf package, on a CPU without gradients: the rounding, the sinks and the window's next
+            # state below in one C call (kernels/window/prefill.c), the same bits; the code below is its reference
+            prefilled = window_prefill_cpu(k, v, pos, k_prev, v_prev, pos_prev, (sink_k, sink_v, sink_pos),
+                                           self.window, stored, state is not None,
+                                           None if state is None else state.window_score, retention)
+        if prefilled is not None:
+            k, v, (sink_k, sink_v, sink_pos), window = prefilled
+        else:
+            # every path (training, prefill, decoding) computes on the keys/values as the cache stores them
+            k, v = round_to_cache(k, self.kv_cache_dtype), round_to_cache(v, self.kv_cache_dtype)
+            if S > 0:
+                # the first S real tokens become sinks (slot = position); keys were rotated at their own position.
+                # Found by comparison, not nonzero(), which reads back to the host (a GPU would wait for every
+                # launch before)
+                slots = torch.arange(S, device=pos.device)
+                hit = pos.unsqueeze(-1) == slots  # [B, T, S]
+                found = hit.any(1)  # [B, S]
+                at = hit.to(torch.uint8).argmax(1).view(B, S, 1, 1).expand(B, S, Hkv, D)  # the token in each slot
+                sink_k = torch.where(found.view(B, S, 1, 1), k.gather(1, at).to(sink_k.dtype), sink_k)
+                sink_v = torch.where(found.view(B, S, 1, 1), v.gather(1, at).to(sink_v.dtype), sink_v)
+                sink_pos = torch.where(found, slots, sink_pos)
         memory = None
         if self.memory_size > 0:
             memory, candidates = self.memory_candidates(k, v, pos, retention, k_prev, v_prev, pos_prev, state)
@@ -1192,19 +1204,23 @@ class AarenMixer(nn.Module):
             q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sink_pos, self.window, rotary, self.scale, memory,
         )
         if state is not None:
-            # The next token sees itself plus the W - 1 entries before it. Fewer than W - 1 so far: empty entries
-            # (position -1, like left padding: never seen, never entering the memory) fill the front, so the state
-            # has its full size from the first call and every later token takes the one-token step.
-            held = k_prev.shape[1] + T
-            first, short = max(0, held - (self.window - 1)), max(0, self.window - 1 - held)
-            win_k = torch.cat([k_prev, k.to(k_prev.dtype)], 1)[:, first:].detach()
-            win_v = torch.cat([v_prev, v.to(v_prev.dtype)], 1)[:, first:].detach()
-            state.window_k, state.window_v = (F.pad(x, (0, 0, 0, 0, short, 0)) for x in (win_k, win_v))
-            state.window_pos = F.pad(torch.cat([pos_prev, pos], 1)[:, first:], (short, 0), value=-1)
+            if prefilled is None:
+                # The next token sees itself plus the W - 1 entries before it. Fewer than W - 1 so far: empty
+                # entries (position -1, like left padding: never seen, never entering the memory) fill the front, so
+                # the state has its full size from the first call and every later token takes the one-token step.
+                held = k_prev.shape[1] + T
+                first, short = max(0, held - (self.window - 1)), max(0, self.window - 1 - held)
+                win_k = torch.cat([k_prev, k.to(k_prev.dtype)], 1)[:, first:].detach()
+                win_v = torch.cat([v_prev, v.to(v_prev.dtype)], 1)[:, first:].detach()
+                window = {"k": F.pad(win_k, (0, 0, 0, 0, short, 0)), "v": F.pad(win_v, (0, 0, 0, 0, short, 0)),
+                          "pos": F.pad(torch.cat([pos_prev, pos], 1)[:, first:], (short, 0), value=-1)}
+                if memory is not None:
+                    window["score"] = F.pad(candidates["stream_score"][:, first:], (0, 0, short, 0),
+                                            value=float("-inf"))
+            state.window_k, state.window_v, state.window_pos = window["k"], window["v"], window["pos"]
             state.sink_k, state.sink_v, state.sink_pos = sink_k.detach(), sink_v.detach(), sink_pos
             if memory is not None:
-                state.window_score = F.pad(candidates["stream_score"][:, first:], (0, 0, short, 0),
-                                           value=float("-inf"))
+                state.window_score = window["score"]
                 self.keep_memory(state, candidates, stored)
         return out
 
@@ -1372,6 +1388,20 @@ class AarenMixer(nn.Module):
         prev_score = retention.new_zeros(B, 0, Hkv)
         if state is not None and state.window_score is not None:
             prev_score = state.window_score
+        if memory_prefill_cpu is not None and self.memory_codes is not None:
+            # with the aaren_hf package, on a CPU without gradients: this method and the state keep_memory leaves in
+            # one C call (kernels/memory/prefill.c), the same bits; the code below is its reference
+            held = None
+            if state is not None and state.memory_k is not None:
+                held = {name: getattr(state, "memory_" + name)
+                        for name in ("k", "v", "k_scale", "v_scale", "pos", "score")}
+            got = memory_prefill_cpu(k, v, pos, retention, k_prev, v_prev, pos_prev, prev_score, held, self.window,
+                                     self.num_sinks, M, self.memory_codes.bits, self.memory_codes.rotate,
+                                     keep=state is not None)
+            if got is not None:
+                cand_k, cand_v, evict, last, kept = got
+                return (cand_k, cand_v, evict, last, M), {"stream_score": torch.cat([prev_score, retention], 1),
+                                                          "kept": kept}
         # as the memory would store them: what a query reads of a token that has left the window
         stream_k = torch.cat([k_prev.to(k.dtype), k], 1).transpose(1, 2)
         stream_v = torch.cat([v_prev.to(v.dtype), v], 1).transpose(1, 2)
@@ -1405,6 +1435,10 @@ class AarenMixer(nn.Module):
     def keep_memory(self, state, candidates, stored: torch.dtype):
         """Store the top set for the next query in M fixed slots (empty slots: position -1), so the state has the
         same size from the first call on; keys and values in ``stored``."""
+        if "kept" in candidates:  # memory_candidates' C call left it
+            for name, t in candidates["kept"].items():
+                setattr(state, "memory_" + name, t)
+            return
         keep, M = candidates["keep"], self.memory_size
         B, Hkv, C = keep.shape
         coded = candidates.pop("codes", None)

@@ -1086,6 +1086,57 @@ def test_memory_codes_in_c_are_the_references_bit_for_bit(bits, rotate, monkeypa
         assert memory_round_cpu(torch.randn(3, 6), bits, rotate) is None
 
 
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
+@pytest.mark.parametrize("case", ["window_sinks", "partial_rotary", "gemma_block", "memory_learned", "memory_kv_bf16",
+                                  "memory_int8", "memory_int4_gqa", "memory_int4_hadamard"])
+def test_a_prompts_window_branch_in_c_is_the_references_bit_for_bit(case, monkeypatch):
+    """A prompt's window branch without gradients on a CPU, around its attention: the rounding, sinks and next window
+    (kernels/window/prefill.c) and, for a memory held in codes, memory_candidates and keep_memory
+    (kernels/memory/prefill.c), against the PyTorch reference: the logits, and every state tensor after each piece,
+    the same bits. Pieces from 1 token (fewer than the window holds) to past the memory's size, later ones
+    starting from a held window and memory; a left-padded row; scores with ties (few distinct values)."""
+    model = tiny_model(**MIXER_CASES[case])
+    for layer in model.model.layers:
+        if hasattr(layer.mixer, "retention_proj"):  # scores on a coarse grid: many ties
+            layer.mixer.retention_proj.register_forward_hook(lambda mod, inp, out: (out * 4).round() / 64)
+    ids = random_ids(2, 40, seed=3)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    kernels = {name: getattr(modeling, name) for name in ("window_prefill_cpu", "memory_prefill_cpu")}
+    calls = {name: [] for name in kernels}
+
+    def counted(name):
+        def call(*args, **kwargs):
+            got = kernels[name](*args, **kwargs)
+            calls[name].append(got is not None)
+            return got
+        return call
+
+    def run():
+        cache, out, t = AarenCache(model.config), [], 0
+        with torch.no_grad():
+            for n in (1, 9, 1, 2, 17, 10):
+                out.append(model(ids[:, t:t + n], attention_mask=mask[:, :t + n], past_key_values=cache,
+                                 use_cache=True).logits)
+                out.extend(state for layer in cache.layers for state in layer.tensors().values())
+                t += n
+            out.append(model(ids, attention_mask=mask).logits)  # no cache: nothing kept
+        return out
+
+    for name in kernels:
+        monkeypatch.setattr(modeling, name, counted(name))
+    got = run()
+    assert calls["window_prefill_cpu"] and all(calls["window_prefill_cpu"]), "the window's C kernel did not run"
+    if model.config.memory_bits:
+        assert calls["memory_prefill_cpu"] and all(calls["memory_prefill_cpu"]), "the memory's C kernel did not run"
+    for name in kernels:
+        monkeypatch.setattr(modeling, name, None)
+    want = run()
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_memory_codes_pass_gradients_straight_through(bits):
     """Training reads the memory's rounded keys and values: the gradient reaches x as if there were no rounding; without

@@ -8,6 +8,9 @@ Triton (``codes.py``: ``fused_memory_round`` in ``aaren_hf.kernels``, and the de
 - ``memory_round_cpu`` (``codes.c``, ``codes.h``): ``MemoryCodes.round_with_codes``, the codes a vector would be
   stored as and what they read back, one loop over the vectors where the reference takes about forty operators
   over the whole tensor. Same codes, scales and values, bit for bit (tests/test_model.py).
+- ``memory_prefill_cpu`` (``prefill.c``, with the two above): a prompt's ``AarenMixer.memory_candidates`` and
+  ``keep_memory`` without gradients, in one call where the reference takes about fifty operators a layer. Same
+  candidates, indices and state, bit for bit (tests/test_model.py).
 """
 
 from __future__ import annotations
@@ -19,12 +22,13 @@ import torch
 
 from ..cbuild import dense, load
 
-__all__ = ["memory_evict_cpu", "memory_round_cpu"]
+__all__ = ["memory_evict_cpu", "memory_prefill_cpu", "memory_round_cpu"]
 
-SOURCES = (Path(__file__).parent / "evict.c", Path(__file__).parent / "codes.c")
+SOURCES = tuple(Path(__file__).parent / name for name in ("evict.c", "codes.c", "prefill.c"))
 HEADERS = (Path(__file__).parent / "codes.h",)
 SIGNATURES = {"aaren_memory_evict": (ctypes.c_int, [ctypes.c_int] * 5 + [ctypes.c_void_p] * 3),
-              "aaren_memory_round": (ctypes.c_int, [ctypes.c_int64] + [ctypes.c_int] * 3 + [ctypes.c_void_p] * 4)}
+              "aaren_memory_round": (ctypes.c_int, [ctypes.c_int64] + [ctypes.c_int] * 3 + [ctypes.c_void_p] * 4),
+              "aaren_memory_prefill": (ctypes.c_int, [ctypes.c_int] * 13 + [ctypes.c_void_p] * 24)}
 
 
 def library():
@@ -71,3 +75,55 @@ def memory_round_cpu(x, bits: int, rotate: bool):
     if rc != 0:
         raise RuntimeError(f"aaren_memory_round failed ({rc}) for shape {tuple(x.shape)}, {bits} bits")
     return back, (codes, scale)
+
+
+def memory_prefill_cpu(k, v, pos, retention, k_prev, v_prev, pos_prev, score_prev, memory, window: int,
+                       num_sinks: int, memory_size: int, bits: int, rotate: bool, keep: bool):
+    """``AarenMixer.memory_candidates`` (and with ``keep`` the state ``keep_memory`` leaves) for a memory of
+    ``bits``-bit codes: k, v [B, T, Hkv, D] float32 (k rotated), pos [B, T], retention [B, T, Hkv]; the window held
+    (k_prev, v_prev [B, Wp, Hkv, D] float32 or bfloat16, pos_prev, score_prev) and ``memory``, the memory held
+    ({"k", "v", "k_scale", "v_scale", "pos", "score"} as the state holds it) or None. Returns (cand_k, cand_v
+    [B, Hkv, C, D], evict [B, Hkv, C], last [T + 1], the next memory {name: tensor} or None); None where the kernel
+    does not apply (gradients wanted, not on a CPU, other dtypes or widths, no compiler)."""
+    tensors = (k, v, k_prev, v_prev, retention, score_prev)
+    if (torch.is_grad_enabled() or any(t.device.type != "cpu" for t in tensors) or k.dtype != torch.float32
+            or v.dtype != torch.float32 or k_prev.dtype != v_prev.dtype
+            or k_prev.dtype not in (torch.float32, torch.bfloat16) or retention.dtype != torch.float32
+            or score_prev.dtype != torch.float32 or pos.dtype != torch.int64 or pos_prev.dtype != torch.int64
+            or bits not in (4, 8)):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    B, T, Hkv, D = k.shape
+    Wp, M = k_prev.shape[1], memory_size
+    held = 0 if memory is None else M
+    C = held + Wp + T
+    width, code = (D // 2, torch.uint8) if bits == 4 else (D, torch.int8)
+    if memory is None:
+        memory = {"k": torch.empty(0, dtype=code), "v": torch.empty(0, dtype=code),
+                  "k_scale": torch.empty(0, dtype=torch.bfloat16), "v_scale": torch.empty(0, dtype=torch.bfloat16),
+                  "pos": torch.empty(0, dtype=torch.int64), "score": torch.empty(0)}
+    elif any(memory[name].dtype != want for name, want in (("k", code), ("v", code), ("pos", torch.int64))):
+        return None
+    cand_k, cand_v = torch.empty(B, Hkv, C, D), torch.empty(B, Hkv, C, D)
+    evict, last = torch.empty(B, Hkv, C, dtype=torch.int64), torch.empty(T + 1, dtype=torch.int64)
+    kept = None
+    if keep:
+        kept = {"k": torch.empty(B, Hkv, M, width, dtype=code), "v": torch.empty(B, Hkv, M, width, dtype=code),
+                "k_scale": torch.empty(B, Hkv, M, 1, dtype=torch.bfloat16),
+                "v_scale": torch.empty(B, Hkv, M, 1, dtype=torch.bfloat16),
+                "pos": torch.empty(B, Hkv, M, dtype=torch.int64), "score": torch.empty(B, Hkv, M)}
+    ins = [k_prev, v_prev, k, v, pos_prev, pos, score_prev, retention] + [
+        memory[name] for name in ("k", "v", "k_scale", "v_scale", "pos", "score")]
+    outs = [cand_k, cand_v, evict, last] + [
+        None if kept is None else kept[name] for name in ("k", "v", "k_scale", "v_scale", "pos", "score")]
+    ins = [dense(t.detach()) for t in ins]
+    rc = lib.aaren_memory_prefill(B, Hkv, D, M, held, Wp, T, window, num_sinks, bits, int(rotate),
+                                  int(k_prev.dtype == torch.bfloat16), int(keep),
+                                  *(t.data_ptr() for t in ins), *(None if t is None else t.data_ptr() for t in outs))
+    if rc == 1:
+        return None
+    if rc != 0:
+        raise RuntimeError(f"aaren_memory_prefill failed ({rc}) for B={B} Hkv={Hkv} D={D} C={C} M={M}")
+    return cand_k, cand_v, evict, last, kept

@@ -15,36 +15,10 @@ int aaren_memory_round(int64_t n, int D, int bits, int rotate, const float *x, f
                        uint16_t *scale) {
     if (D < 1 || D > MAX_D || (bits == 4 && D % 2) || (rotate && (D & (D - 1)))) return 1;
     const int64_t width = bits == 4 ? D / 2 : D;
-    const int half = D / 2;
-    float c[MAX_D];
     for (int64_t i = 0; i < n; i++) {
         uint8_t *code = codes + i * width;
         encode(x + i * D, D, bits, rotate, code, scale + i);
-        int d = 0;
-        if (bits == 8) {
-            for (; d + 8 <= D; d += 8) {
-                v8i8 x8;
-                memcpy(&x8, code + d, 8);
-                store8(c + d, __builtin_convertvector(x8, v8f));
-            }
-            for (; d < D; d++) c[d] = (float)((const int8_t *)code)[d];
-        } else {
-            for (; d + 8 <= half; d += 8) {
-                v8u8 x4;
-                memcpy(&x4, code + d, 8);
-                store8(c + d, __builtin_convertvector(__builtin_convertvector(x4 & 15, v8i32) - 8, v8f));
-                store8(c + d + half, __builtin_convertvector(__builtin_convertvector(x4 >> 4, v8i32) - 8, v8f));
-            }
-            for (; d < half; d++) {
-                c[d] = (float)((int)(code[d] & 15) - 8);
-                c[d + half] = (float)((int)(code[d] >> 4) - 8);
-            }
-        }
-        if (rotate) butterflies(c, D);
-        const float sc = bf16_to_float(scale[i]);
-        float *out = back + i * D;
-        for (d = 0; d + 8 <= D; d += 8) store8(out + d, load8(c + d) * sc);
-        for (; d < D; d++) out[d] = c[d] * sc;
+        decode(code, scale[i], D, bits, rotate, back + i * D);
     }
     return 0;
 }

@@ -174,6 +174,37 @@ static inline void encode(const float *x_in, int D, int bits, int rotate, uint8_
     *scale = sc;
 }
 
+/* MemoryCodes.decode of one vector's codes (4 or 8 bits) and bfloat16 scale: whole numbers turned back by the +-1
+ * matrix (exact in any order), then each one product with the scale, as in the reference */
+static inline void decode(const uint8_t *code, uint16_t scale, int D, int bits, int rotate, float *out) {
+    float c[MAX_D];
+    const int half = D / 2;
+    int d = 0;
+    if (bits == 8) {
+        for (; d + 8 <= D; d += 8) {
+            v8i8 x8;
+            memcpy(&x8, code + d, 8);
+            store8(c + d, __builtin_convertvector(x8, v8f));
+        }
+        for (; d < D; d++) c[d] = (float)((const int8_t *)code)[d];
+    } else {
+        for (; d + 8 <= half; d += 8) {
+            v8u8 x4;
+            memcpy(&x4, code + d, 8);
+            store8(c + d, __builtin_convertvector(__builtin_convertvector(x4 & 15, v8i32) - 8, v8f));
+            store8(c + d + half, __builtin_convertvector(__builtin_convertvector(x4 >> 4, v8i32) - 8, v8f));
+        }
+        for (; d < half; d++) {
+            c[d] = (float)((int)(code[d] & 15) - 8);
+            c[d + half] = (float)((int)(code[d] >> 4) - 8);
+        }
+    }
+    if (rotate) butterflies(c, D);
+    const float sc = bf16_to_float(scale);
+    for (d = 0; d + 8 <= D; d += 8) store8(out + d, load8(c + d) * sc);
+    for (; d < D; d++) out[d] = c[d] * sc;
+}
+
 /* memory entry e as a query reads it (MemoryCodes.decode, rotated codes left rotated); bits 0: no codes, stored as
  * the window stores keys and values */
 static inline void read_entry(const void *mem, const uint16_t *scales, int64_t e, int D, int bits, int bf16, float *out) {

@@ -3,7 +3,9 @@
 ``window_attention`` in modeling_aaren.py; its rotary embedding in C for a CPU (``rotate.c``, ``rotate_cpu``,
 reference ``rotate_by``, bit for bit); its one-token decode step (reference: ``AarenMixer.window_step``) in
 Triton for a GPU (``fused_recurrent.py``) and in C for a CPU (``step.c``, the same algorithm), the C one compiled
-with the Aaren branch's into the mixer's one call per layer (``kernels/mixer``)."""
+with the Aaren branch's into the mixer's one call per layer (``kernels/mixer``); and a prompt's bookkeeping around
+the attention without gradients on a CPU (``prefill.c``, ``window_prefill_cpu``: rounding, sinks, the window's next
+state), whose reference is ``AarenMixer.window_branch``, bit for bit."""
 
 from __future__ import annotations
 
@@ -14,16 +16,18 @@ import torch
 
 from ..cbuild import dense, load
 
-__all__ = ["rotate_cpu", "window_attention_cpu", "window_cpu_takes"]
+__all__ = ["rotate_cpu", "window_attention_cpu", "window_cpu_takes", "window_prefill_cpu"]
 
-SOURCES = (Path(__file__).parent / "chunk.c", Path(__file__).parent / "rotate.c")
-HEADERS = (Path(__file__).parent.parent / "memory" / "codes.h",)  # chunk.c's 8-float vector helpers
+SOURCES = tuple(Path(__file__).parent / name for name in ("chunk.c", "rotate.c", "prefill.c"))
+# chunk.c's 8-float vector helpers, prefill.c's bfloat16 rounding
+HEADERS = (Path(__file__).parent.parent / "memory" / "codes.h",)
 _ARGS = [ctypes.c_int] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_float,
                                                       ctypes.c_int] + [ctypes.c_void_p] * 12
 SIGNATURES = {"aaren_window_attention_takes": (ctypes.c_int, [ctypes.c_int] * 3),
               "aaren_window_attention": (ctypes.c_int, _ARGS + [ctypes.c_void_p]),
               "aaren_window_attention_backward": (ctypes.c_int, _ARGS + [ctypes.c_void_p] * 8),
-              "aaren_rotate": (ctypes.c_int, [ctypes.c_int64] + [ctypes.c_int] * 3 + [ctypes.c_void_p] * 4)}
+              "aaren_rotate": (ctypes.c_int, [ctypes.c_int64] + [ctypes.c_int] * 3 + [ctypes.c_void_p] * 4),
+              "aaren_window_prefill": (ctypes.c_int, [ctypes.c_int] * 9 + [ctypes.c_void_p] * 17)}
 
 
 def _library():
@@ -47,6 +51,51 @@ def rotate_cpu(x, cos, sin):
                         out.data_ptr()) != 0:
         return None
     return out
+
+
+def window_prefill_cpu(k, v, pos, k_prev, v_prev, pos_prev, sinks, window: int, stored: torch.dtype, keep: bool,
+                       score_prev=None, retention=None):
+    """``AarenMixer.window_branch`` around its attention, without gradients: k (rotated), v [B, T, Hkv, D] float32
+    rounded to the cache (``stored``: bfloat16, or float32 for none); ``sinks`` (sink_k, sink_v [B, S, Hkv, D],
+    sink_pos [B, S]) updated with this call's tokens into new tensors; with ``keep`` the window the next call
+    continues from. The window held: k_prev, v_prev [B, Wp, Hkv, D] in ``stored``, pos_prev [B, Wp]; with a memory,
+    score_prev [B, Wp, Hkv] and retention [B, T, Hkv]. Returns (k, v, (sink_k, sink_v, sink_pos), {"k", "v", "pos",
+    "score"} or None); None where the kernel does not apply (gradients wanted, not on a CPU, other dtypes, no
+    compiler)."""
+    scores = (score_prev, retention) if retention is not None else ()
+    if retention is not None and score_prev is None:  # nothing held yet
+        if k_prev.shape[1] > 0:
+            return None
+        scores = (retention,)
+    tensors = (k, v, k_prev, v_prev, *sinks[:2], *scores)
+    if (torch.is_grad_enabled() or any(t.device.type != "cpu" for t in tensors) or k.dtype != torch.float32
+            or v.dtype != torch.float32 or stored not in (torch.float32, torch.bfloat16)
+            or any(t.dtype != stored for t in (k_prev, v_prev, *sinks[:2]))
+            or any(t.dtype != torch.float32 for t in scores) or pos.dtype != torch.int64):
+        return None
+    lib = _library()
+    if lib is None:
+        return None
+    B, T, Hkv, D = k.shape
+    Wn = window - 1
+    kr, vr = torch.empty(k.shape), torch.empty(v.shape)
+    sink_k, sink_v, sink_pos = (t.clone(memory_format=torch.contiguous_format) for t in sinks)
+    state = None
+    if keep:
+        state = {"k": torch.empty(B, Wn, Hkv, D, dtype=stored), "v": torch.empty(B, Wn, Hkv, D, dtype=stored),
+                 "pos": torch.empty(B, Wn, dtype=torch.int64),
+                 "score": torch.empty(B, Wn, Hkv) if retention is not None else None}
+    ins = [dense(t.detach()) for t in (k, v, pos, k_prev, v_prev, pos_prev)] + [
+        None if t is None else dense(t) for t in (score_prev, retention)]
+    outs = [kr, vr, sink_k, sink_v, sink_pos] + ([None] * 4 if state is None else list(state.values()))
+    rc = lib.aaren_window_prefill(B, T, Hkv, D, k_prev.shape[1], window, sink_k.shape[1],
+                                  int(stored == torch.bfloat16), int(keep),
+                                  *(None if t is None else t.data_ptr() for t in ins + outs))
+    if rc == 1:
+        return None
+    if rc != 0:
+        raise RuntimeError(f"aaren_window_prefill failed ({rc}) for B={B} T={T} Hkv={Hkv} D={D}")
+    return kr, vr, (sink_k, sink_v, sink_pos), state
 
 
 def _call(name, shape, tensors, P0, window, scale, *extra):
