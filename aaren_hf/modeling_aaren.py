@@ -35,13 +35,13 @@ try:  # Triton kernels on CUDA and the C kernels on CPUs, when this package is i
     from aaren_hf.kernels import (WINDOW_BLOCK, chunk_aaren, fused_aaren_step, fused_chunk_aaren_mixed,
                                   fused_memory_round, fused_recurrent_aaren, fused_window_attention, fused_window_step,
                                   select_backend)
-    from aaren_hf.kernels.aaren import aaren_scan_cpu
+    from aaren_hf.kernels.aaren import aaren_prefill_cpu
     from aaren_hf.kernels.memory import memory_evict_cpu, memory_prefill_cpu, memory_round_cpu
     from aaren_hf.kernels.mixer import mixer_step_cpu
     from aaren_hf.kernels.window import rotate_cpu, window_attention_cpu, window_cpu_takes, window_prefill_cpu
 except ImportError:
     chunk_aaren, fused_recurrent_aaren = chunk_aaren_torch, recurrent_aaren_torch
-    aaren_scan_cpu = memory_evict_cpu = memory_prefill_cpu = memory_round_cpu = mixer_step_cpu = None
+    aaren_prefill_cpu = memory_evict_cpu = memory_prefill_cpu = memory_round_cpu = mixer_step_cpu = None
     rotate_cpu = window_attention_cpu = None
     fused_aaren_step = fused_chunk_aaren_mixed = fused_memory_round = fused_window_attention = None
     fused_window_step = window_cpu_takes = window_prefill_cpu = None
@@ -1081,6 +1081,17 @@ class AarenMixer(nn.Module):
                 return stepped
         per_op_head = launch_bound(v.device)  # the Triton kernels (or, without them, the PyTorch op) per op head
         decoding_on_cpu = not per_op_head and decoding
+        if not per_op_head and not decoding_on_cpu and aaren_prefill_cpu is not None:
+            # with the aaren_hf package, a prompt without gradients on a CPU: the rest of this method in one C call,
+            # token after token (kernels/aaren/step.c), the same state and output to float rounding
+            got = aaren_prefill_cpu(q, k, v, mask, self.queries, self.scale, self.decay,
+                                    getattr(self, "log_decay", None),
+                                    self.decay_proj(x) if self.decay == "input" else None, carried, state is not None)
+            if got is not None:
+                o, s, final = got
+                if state is not None:
+                    state.aaren_o, state.aaren_lse = final
+                return o, s
         s = self.slot_scores(k).masked_fill(~mask.unsqueeze(-1), float("-inf"))
         g = None
         if self.decay != "none":
@@ -1090,14 +1101,10 @@ class AarenMixer(nn.Module):
             mix = float32_product(q.transpose(1, 2), self.queries.transpose(1, 2)).transpose(1, 2)
             mix = torch.softmax(mix * self.scale, -1)
         if not per_op_head and not decoding_on_cpu:
-            # slots mixed, each kv head's values read once for its query heads: without gradients token after token
-            # in C (a few small loops per token), else the chunked PyTorch scan (its reference)
+            # slots mixed, each kv head's values read once for its query heads: the chunked PyTorch scan
             if mix is None:
                 mix = v.new_ones(B, T, H, 1, dtype=torch.float32)
-            scanned = None if aaren_scan_cpu is None else aaren_scan_cpu(s, v, mix, g, carried, state is not None)
-            if scanned is None:
-                scanned = chunk_aaren_mixed(s, v, mix, g, carried, state is not None, chunk_size=self.chunk_size)
-            o, final = scanned
+            o, final = chunk_aaren_mixed(s, v, mix, g, carried, state is not None, chunk_size=self.chunk_size)
         elif mix is not None and T > 1 and takes_triton(fused_chunk_aaren_mixed, v):
             # the Triton scan per op head, the slots mixed as below by its op, whose backward forms the mix's
             # gradient: training keeps no per-slot outputs (J times the mixed output's bytes)

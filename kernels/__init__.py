@@ -19,9 +19,11 @@ The one-token decode step on a CPU is one C call per layer (``mixer/``; referenc
 decode path), compiled on first use (``cbuild.py``) from ``aaren/step.c`` (the Aaren branch: slot scores, mix, decay
 and the scan's step; reference: the PyTorch step in ``AarenMixer.aaren_output``), ``window/step.c`` (the window
 branch; reference: ``AarenMixer.window_step``) and ``mixer/step.c`` (the retention score and the gate between them).
-In a prefill without gradients the scan runs token after token in C (``aaren.aaren_scan_cpu``, ``aaren/step.c``;
-reference: ``aaren_scan.chunk_aaren_mixed``) and the memory's ranking is ``memory/evict.c`` (reference: the block
-sweep of ``memory_visibility``). The window's attention on a CPU, for training and prefill alike, forward and
+In a prefill without gradients the Aaren branch runs token after token in C (``aaren.aaren_prefill_cpu``,
+``aaren/step.c``; reference: ``AarenMixer.aaren_output``'s PyTorch path and ``aaren_scan.chunk_aaren_mixed``), the
+window's bookkeeping around its attention is ``window/prefill.c`` and the memory's candidates and next state
+``memory/prefill.c`` (reference: ``AarenMixer.window_branch``, ``memory_candidates`` and ``keep_memory``), whose
+ranking is ``memory/evict.c`` (reference: the block sweep of ``memory_visibility``). The window's attention on a CPU, for training and prefill alike, forward and
 backward, is ``window/chunk.c`` (``window.window_attention_cpu``; reference: the PyTorch path of
 ``window_attention``).
 """

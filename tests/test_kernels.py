@@ -8,6 +8,7 @@ whether triton was imported before or after TRITON_INTERPRET=1 was set. ``chunk_
 the same reference. GPU-only checks are marked ``requires_gpu``; ``test_compiles_for_sm90`` needs no GPU.
 """
 
+import copy
 import math
 import os
 import subprocess
@@ -466,49 +467,65 @@ def mixed_scan_beside_reference(case, segments, device, dtype, tol):
         close("d" + name, a, b)
 
 
-@pytest.mark.parametrize("case", MIXED_CASES, ids=lambda c: "B{}-T{}-Hkv{}-G{}-J{}-D{}-C{}-decay{}-h0{}".format(*c))
+@pytest.mark.parametrize("case", ["paper", "slots3", "decay_learned", "decay_input", "gqa_slots_window"])
 @pytest.mark.parametrize("score_scale", [3.0, 1e4])
-def test_aaren_scan_cpu_equals_chunk_aaren_mixed(case, score_scale):
-    """The C prefill scan (kernels/aaren/step.c, aaren_scan_mixed) against its reference chunk_aaren_mixed in
-    float64: outputs and final state, padding at the start of row 0, one op head of row 1 masked throughout, scores up
-    to 1e4; the caller's initial state untouched."""
-    from aaren_hf.kernels.aaren import aaren_scan_cpu
+def test_aaren_prefill_cpu_equals_the_branch_reference(case, score_scale):
+    """The C prompt branch (kernels/aaren/step.c, aaren_branch_prefill: slot scores, decays, scan, the slots' mix)
+    against the model's own PyTorch path in float64 (which the kernel declines): outputs, masked slot scores and
+    state over two pieces (the second continuing the first's state), an odd length, padding at the start of row 0,
+    scores up to about 1e4; the caller's state untouched."""
+    from aaren_hf.kernels.aaren import aaren_prefill_cpu
+    from aaren_hf.modeling_aaren import AarenLayerState
+    from helpers import MIXER_CASES, tiny_model
 
-    C = case[6]
-    s, v, mix, g, st = mixed_scan_inputs(case, torch.Generator().manual_seed(11), score_scale, torch.float32)
-    kept = None if st is None else tuple(t.clone() for t in st)
+    model = tiny_model(**MIXER_CASES[case])
+    mixer = model.model.layers[0].mixer
     with torch.no_grad():
-        got = aaren_scan_cpu(s, v, mix, g, st, True)
+        mixer.queries.mul_(score_scale / 3.0)
+        reference = copy.deepcopy(mixer).double()
+    x = torch.randn(2, 23, model.config.hidden_size, generator=torch.Generator().manual_seed(11))
+    mask = torch.ones(2, 23, dtype=torch.bool)
+    mask[0, :4] = False
+    runs = {}
+    for name, m, dtype in (("c", mixer, torch.float32), ("reference", reference, torch.float64)):
+        state, out = AarenLayerState(), []
+        with torch.no_grad():
+            for piece in (slice(0, 13), slice(13, 23)):
+                xp, mp = x[:, piece].to(dtype), mask[:, piece]
+                q, k, v = m.project(xp)
+                out += [*m.aaren_output(xp, q, k, v, mp, state), state.aaren_o, state.aaren_lse]
+        runs[name] = out
+    carried = runs["c"][-2:]
+    kept = [t.clone() for t in carried]
+    with torch.no_grad():
+        q, k, v = mixer.project(x)
+        got = aaren_prefill_cpu(q, k, v, mask, mixer.queries, mixer.scale, mixer.decay,
+                                getattr(mixer, "log_decay", None),
+                                mixer.decay_proj(x) if mixer.decay == "input" else None, tuple(carried), True)
     if got is None:
         pytest.skip("no C compiler")
-    out, final = got
-    f64 = lambda t: None if t is None else t.double()  # noqa: E731
-    want, want_final = chunk_aaren_mixed(f64(s), f64(v), f64(mix), f64(g), None if st is None else tuple(map(f64, st)),
-                                         True, chunk_size=C)
-    assert out.dtype == torch.float32 and torch.isfinite(out).all()
-    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(final[0].double(), want_final[0], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(final[1].double(), want_final[1], atol=1e-5 * score_scale, rtol=1e-6)
-    if st is not None:
-        assert all(torch.equal(a, b) for a, b in zip(st, kept))
-    with torch.no_grad():
-        assert aaren_scan_cpu(s, v, mix, g, st, False)[1] is None
+    assert all(torch.equal(a, b) for a, b in zip(carried, kept))
+    for i, (a, b) in enumerate(zip(runs["c"], runs["reference"])):
+        assert a.dtype == torch.float32 and torch.equal(torch.isfinite(a), torch.isfinite(b)), i
+        a, b = a[torch.isfinite(b)].double(), b[torch.isfinite(b)]
+        assert (a - b).abs().max() <= 1e-5 * max(b.abs().max().item(), 1.0), (i, (a - b).abs().max().item())
 
 
-def test_aaren_scan_cpu_declines_where_its_reference_runs(monkeypatch):
+def test_aaren_prefill_cpu_declines_where_its_reference_runs(monkeypatch):
     """Gradients wanted, float64, or the C kernels turned off (AAREN_BACKEND=torch): None, so the model runs the
-    chunked PyTorch scan."""
-    from aaren_hf.kernels.aaren import aaren_scan_cpu
+    PyTorch branch (the chunked scan)."""
+    from aaren_hf.kernels.aaren import aaren_prefill_cpu
 
-    s, v, mix = torch.randn(1, 5, 4), torch.randn(1, 5, 1, 8), torch.full((1, 5, 2, 2), 0.5)
+    q, k, v = torch.randn(1, 5, 2, 8), torch.randn(1, 5, 1, 8), torch.randn(1, 5, 1, 8)
+    mask, queries = torch.ones(1, 5, dtype=torch.bool), torch.randn(2, 2, 8)
     with torch.no_grad():
-        if aaren_scan_cpu(s, v, mix) is None:
+        if aaren_prefill_cpu(q, k, v, mask, queries, 0.3, "none") is None:
             pytest.skip("no C compiler")
-        assert aaren_scan_cpu(s.double(), v.double(), mix.double()) is None
-    assert aaren_scan_cpu(s.requires_grad_(), v, mix) is None
+        assert aaren_prefill_cpu(q.double(), k.double(), v.double(), mask, queries.double(), 0.3, "none") is None
+    assert aaren_prefill_cpu(q, k, v, mask, queries.requires_grad_(), 0.3, "none") is None
     monkeypatch.setenv("AAREN_BACKEND", "torch")
     with torch.no_grad():
-        assert aaren_scan_cpu(s, v, mix) is None
+        assert aaren_prefill_cpu(q, k, v, mask, queries, 0.3, "none") is None
 
 
 @needs_triton

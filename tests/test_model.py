@@ -114,7 +114,7 @@ def test_decode_step_equals_general_path(case, kv_cache_dtype, monkeypatch):
     # the PyTorch steps and prompt scan, whose Aaren state is the general path's bit for bit (the C kernels' is to
     # float rounding: test_mixer_step_kernel.py, test_kernels.py)
     monkeypatch.setattr(modeling, "mixer_step_cpu", None)
-    monkeypatch.setattr(modeling, "aaren_scan_cpu", None)
+    monkeypatch.setattr(modeling, "aaren_prefill_cpu", None)
     # attention outputs laid out as CUDA's fused kernels return them ([N, h, L, D] strided as [N, L, h, D]): the
     # steps must not assume a contiguous output (a view did, and failed on every GPU for GQA models with a window)
     sdpa = F.scaled_dot_product_attention
@@ -428,22 +428,23 @@ def test_the_window_kernel_equals_the_pytorch_window_attention(memory_bits, monk
         assert (grads[name] - grad).norm() <= 1e-4 * grad.norm() + 1e-6, name
 
 
-@pytest.mark.parametrize("case", ["paper", "slots3", "decay_input", "gqa_slots_window", "memory_gate_input_decay"])
-def test_prompt_scan_in_c_equals_the_chunked_scan(case, monkeypatch):
-    """A prompt without gradients takes the C scan (kernels/aaren/step.c, aaren_scan_mixed); with it off, the chunked
-    PyTorch scan: the same logits and cache to float rounding (left padding in row 1, a carried state in the second
-    piece)."""
-    scan, ran = modeling.aaren_scan_cpu, []
+@pytest.mark.parametrize("case", ["paper", "slots3", "decay_input", "gqa_slots_window", "memory_gate_input_decay",
+                                  "memory_aaren_gqa"])
+def test_prompt_branch_in_c_equals_the_chunked_scan(case, monkeypatch):
+    """A prompt without gradients takes the C branch (kernels/aaren/step.c, aaren_branch_prefill); with it off, the
+    PyTorch branch and its chunked scan: the same logits and cache to float rounding (left padding in row 1, a carried
+    state in the second piece; the slot scores ranking the memory in "memory_aaren_gqa")."""
+    scan, ran = modeling.aaren_prefill_cpu, []
     if scan is None:
         pytest.skip("aaren_hf.kernels is not importable")
-    monkeypatch.setattr(modeling, "aaren_scan_cpu", recording(scan, ran))
+    monkeypatch.setattr(modeling, "aaren_prefill_cpu", recording(scan, ran))
     model = tiny_model(**MIXER_CASES[case])
     ids, mask = random_ids(2, 21), torch.ones(2, 21, dtype=torch.long)
     mask[1, :5] = 0
     runs = {}
     for name in ("c", "chunked"):
         if name == "chunked":
-            monkeypatch.setattr(modeling, "aaren_scan_cpu", None)
+            monkeypatch.setattr(modeling, "aaren_prefill_cpu", None)
         cache = AarenCache(model.config)
         with torch.no_grad():
             first = model(ids[:, :13], attention_mask=mask[:, :13], past_key_values=cache, use_cache=True).logits

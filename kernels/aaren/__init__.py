@@ -2,8 +2,9 @@
 
 The Triton ones are imported on first use, so that this package imports without triton installed.
 
-``aaren_scan_cpu``: the model's read of the scan (slots mixed, values shared per kv head) over a prompt on a CPU
-without gradients, token after token in C (``step.c``); reference ``aaren_scan.chunk_aaren_mixed``.
+``aaren_prefill_cpu``: the model's Aaren branch (slot scores, decays, the scan, the slots' mix) over a prompt on a CPU
+without gradients, token after token in C (``step.c``); reference ``AarenMixer.aaren_output``'s PyTorch path, whose
+scan is ``aaren_scan.chunk_aaren_mixed``.
 """
 
 import ctypes
@@ -14,42 +15,50 @@ import torch
 from ..cbuild import dense, load
 from .naive import naive_aaren
 
-__all__ = ["naive_aaren", "chunk_aaren_triton", "fused_recurrent_aaren_triton", "aaren_scan_cpu"]
+__all__ = ["naive_aaren", "chunk_aaren_triton", "fused_recurrent_aaren_triton", "aaren_prefill_cpu"]
 
 SOURCES = (Path(__file__).parent / "step.c",)
-SIGNATURES = {"aaren_scan_mixed": (ctypes.c_int, [ctypes.c_int] * 6 + [ctypes.c_void_p] * 7)}
+HEADERS = (Path(__file__).parent.parent / "memory" / "codes.h",)  # the 8-float vectors
+SIGNATURES = {"aaren_branch_prefill": (ctypes.c_int, [ctypes.c_int] * 7 + [ctypes.c_float] + [ctypes.c_void_p] * 11)}
+DECAYS = {"none": 0, "fixed": 1, "learned": 1, "input": 2}
 
 
-def aaren_scan_cpu(s, v, mix, g=None, initial_state=None, output_final_state=False):
-    """``chunk_aaren_mixed(s, v, mix, g, initial_state, output_final_state)`` (same arguments and results, to float
-    rounding) as one C call: s [B, T, H*J] with -inf at padding, v [B, T, Hkv, D], mix [B, T, H, J], g like s or
-    None (0 at padding), state per op head. None where it does not apply: gradients wanted, not on a CPU, float64,
-    no compiler (then the caller runs the reference)."""
-    tensors = (s, v, mix, g, *(initial_state or ()))
-    wants_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-    if wants_grad or v.is_cuda or torch.float64 in (s.dtype, v.dtype):
+def aaren_prefill_cpu(q, k, v, mask, queries, scale: float, decay: str, log_decay=None, decay_in=None,
+                      initial_state=None, output_final_state=False):
+    """``AarenMixer.aaren_output`` over a prompt (its PyTorch path's results, to float rounding) as one C call:
+    q [B, T, H, D] (None with one slot), k, v [B, T, Hkv, D], mask [B, T] (False: padding), the slot queries
+    [H, J, D] and ``scale``; ``decay`` as the config names it, with log_decay [H, J] and for "input" decay_in
+    [B, T, H*J] (the decay projection of x); the state per op head. Returns (out [B, T, H, D] in v's dtype, the masked
+    slot scores s [B, T, H*J] float32, the final state or None). None where it does not apply: gradients wanted, not
+    on a CPU, float64, more slots than it takes, no compiler (then the caller runs the reference)."""
+    tensors = (q, k, v, queries, log_decay, decay_in, *(initial_state or ()))
+    present = [t for t in tensors if t is not None]
+    if ((torch.is_grad_enabled() and any(t.requires_grad for t in present))
+            or any(t.device.type != "cpu" or t.dtype == torch.float64 for t in present) or decay not in DECAYS):
         return None
-    lib = load("aaren_scan", SOURCES, SIGNATURES, "the chunked PyTorch scan")
+    lib = load("aaren_scan", SOURCES, SIGNATURES, "the chunked PyTorch scan", HEADERS)
     if lib is None:
         return None
     B, T, Hkv, D = v.shape
-    H, J = mix.shape[2], mix.shape[3]
+    H, J = queries.shape[0], queries.shape[1]
     if initial_state is None:
         from aaren_hf.aaren_scan import empty_state  # on first use, as chunk.py does: see kernels/__init__.py
 
         o, lse = empty_state(B, H * J, D)
     else:  # the caller's state is left as it was
         o, lse = (t.float().clone(memory_format=torch.contiguous_format) for t in initial_state)
-    s_, v_, mix_ = dense(s.float()), dense(v.float()), dense(mix.float())
-    g_ = None if g is None else dense(g.float())
-    out = torch.empty(B, T, H, D)
-    rc = lib.aaren_scan_mixed(B, T, H, Hkv, D, J, s_.data_ptr(), None if g_ is None else g_.data_ptr(),
-                              v_.data_ptr(), mix_.data_ptr(), o.data_ptr(), lse.data_ptr(), out.data_ptr())
+    code = DECAYS[decay]
+    ins = [None if J == 1 else q, k, v, mask.to(torch.uint8), queries, log_decay if code else None,
+           decay_in if code == 2 else None]
+    ins = [None if t is None else dense(t.detach() if t.dtype == torch.uint8 else t.detach().float()) for t in ins]
+    s, out = torch.empty(B, T, H * J), torch.empty(B, T, H, D)
+    rc = lib.aaren_branch_prefill(B, T, H, Hkv, D, J, code, scale,
+                                  *(None if t is None else t.data_ptr() for t in [*ins, o, lse, s, out]))
     if rc == 1:  # more slots than the kernel takes
         return None
     if rc != 0:
-        raise RuntimeError(f"aaren_scan_mixed failed ({rc}) for B={B} T={T} H={H} Hkv={Hkv} D={D} J={J}")
-    return out.to(v.dtype), ((o, lse) if output_final_state else None)
+        raise RuntimeError(f"aaren_branch_prefill failed ({rc}) for B={B} T={T} H={H} Hkv={Hkv} D={D} J={J}")
+    return out.to(v.dtype), s, ((o, lse) if output_final_state else None)
 
 
 def __getattr__(name):
