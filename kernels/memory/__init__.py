@@ -10,7 +10,7 @@ Triton (``codes.py``: ``fused_memory_round`` in ``aaren_hf.kernels``, and the de
   over the whole tensor. Same codes, scales and values, bit for bit (tests/test_model.py).
 - ``memory_prefill_cpu`` (``prefill.c``, with the two above): a prompt's ``AarenMixer.memory_candidates`` and
   ``keep_memory`` without gradients, in one call where the reference takes about fifty operators a layer. Same
-  candidates, indices and state, bit for bit (tests/test_model.py).
+  indices, state and logits, bit for bit (tests/test_model.py).
 """
 
 from __future__ import annotations
@@ -84,7 +84,9 @@ def memory_prefill_cpu(k, v, pos, retention, k_prev, v_prev, pos_prev, score_pre
     (k_prev, v_prev [B, Wp, Hkv, D] float32 or bfloat16, pos_prev, score_prev) and ``memory``, the memory held
     ({"k", "v", "k_scale", "v_scale", "pos", "score"} as the state holds it) or None. Returns (cand_k, cand_v
     [B, Hkv, C, D], evict [B, Hkv, C], last [T + 1], the next memory {name: tensor} or None); None where the kernel
-    does not apply (gradients wanted, not on a CPU, other dtypes or widths, no compiler)."""
+    does not apply (gradients wanted, not on a CPU, other dtypes or widths, no compiler). A stream token that never
+    enters the memory before the last query, and is not stored, is neither coded nor read: zeros in cand_k/cand_v,
+    which attention weighs 0 as it would its values."""
     tensors = (k, v, k_prev, v_prev, retention, score_prev)
     if (torch.is_grad_enabled() or any(t.device.type != "cpu" for t in tensors) or k.dtype != torch.float32
             or v.dtype != torch.float32 or k_prev.dtype != v_prev.dtype
