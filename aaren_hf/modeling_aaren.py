@@ -1398,13 +1398,8 @@ class AarenMixer(nn.Module):
         if memory_prefill_cpu is not None and self.memory_codes is not None:
             # with the aaren_hf package, on a CPU without gradients: this method and the state keep_memory leaves in
             # one C call (kernels/memory/prefill.c), the same bits; the code below is its reference
-            held = None
-            if state is not None and state.memory_k is not None:
-                held = {name: getattr(state, "memory_" + name)
-                        for name in ("k", "v", "k_scale", "v_scale", "pos", "score")}
-            got = memory_prefill_cpu(k, v, pos, retention, k_prev, v_prev, pos_prev, prev_score, held, self.window,
-                                     self.num_sinks, M, self.memory_codes.bits, self.memory_codes.rotate,
-                                     keep=state is not None)
+            got = memory_prefill_cpu(k, v, pos, retention, k_prev, v_prev, pos_prev, prev_score, state, self.window,
+                                     self.num_sinks, M, self.memory_codes.bits, self.memory_codes.rotate)
             if got is not None:
                 cand_k, cand_v, evict, last, kept = got
                 return (cand_k, cand_v, evict, last, M), {"stream_score": torch.cat([prev_score, retention], 1),

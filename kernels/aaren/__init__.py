@@ -48,17 +48,19 @@ def aaren_prefill_cpu(q, k, v, mask, queries, scale: float, decay: str, log_deca
     else:  # the caller's state is left as it was
         o, lse = (t.float().clone(memory_format=torch.contiguous_format) for t in initial_state)
     code = DECAYS[decay]
-    ins = [None if J == 1 else q, k, v, mask.to(torch.uint8), queries, log_decay if code else None,
-           decay_in if code == 2 else None]
-    ins = [None if t is None else dense(t.detach() if t.dtype == torch.uint8 else t.detach().float()) for t in ins]
+    dtype = v.dtype
+    q, k, v, queries, log_decay, decay_in = (
+        None if t is None else dense(t.detach().float())
+        for t in (None if J == 1 else q, k, v, queries, log_decay if code else None, decay_in if code == 2 else None))
     s, out = torch.empty(B, T, H * J), torch.empty(B, T, H, D)
+    ins = [q, k, v, dense(mask.to(torch.uint8)), queries, log_decay, decay_in]
     rc = lib.aaren_branch_prefill(B, T, H, Hkv, D, J, code, scale,
                                   *(None if t is None else t.data_ptr() for t in [*ins, o, lse, s, out]))
     if rc == 1:  # more slots than the kernel takes
         return None
     if rc != 0:
         raise RuntimeError(f"aaren_branch_prefill failed ({rc}) for B={B} T={T} H={H} Hkv={Hkv} D={D} J={J}")
-    return out.to(v.dtype), s, ((o, lse) if output_final_state else None)
+    return out.to(dtype), s, ((o, lse) if output_final_state else None)
 
 
 def __getattr__(name):

@@ -24,6 +24,8 @@ from ..cbuild import dense, load
 
 __all__ = ["memory_evict_cpu", "memory_prefill_cpu", "memory_round_cpu"]
 
+MEMORY_PARTS = ("k", "v", "k_scale", "v_scale", "pos", "score")  # the state's memory_* tensors, in the C call's order
+
 SOURCES = tuple(Path(__file__).parent / name for name in ("evict.c", "codes.c", "prefill.c"))
 HEADERS = (Path(__file__).parent / "codes.h",)
 SIGNATURES = {"aaren_memory_evict": (ctypes.c_int, [ctypes.c_int] * 5 + [ctypes.c_void_p] * 3),
@@ -77,14 +79,14 @@ def memory_round_cpu(x, bits: int, rotate: bool):
     return back, (codes, scale)
 
 
-def memory_prefill_cpu(k, v, pos, retention, k_prev, v_prev, pos_prev, score_prev, memory, window: int,
-                       num_sinks: int, memory_size: int, bits: int, rotate: bool, keep: bool):
-    """``AarenMixer.memory_candidates`` (and with ``keep`` the state ``keep_memory`` leaves) for a memory of
+def memory_prefill_cpu(k, v, pos, retention, k_prev, v_prev, pos_prev, score_prev, state, window: int,
+                       num_sinks: int, memory_size: int, bits: int, rotate: bool):
+    """``AarenMixer.memory_candidates`` (and with a ``state``, the memory ``keep_memory`` leaves there) for a memory of
     ``bits``-bit codes: k, v [B, T, Hkv, D] float32 (k rotated), pos [B, T], retention [B, T, Hkv]; the window held
-    (k_prev, v_prev [B, Wp, Hkv, D] float32 or bfloat16, pos_prev, score_prev) and ``memory``, the memory held
-    ({"k", "v", "k_scale", "v_scale", "pos", "score"} as the state holds it) or None. Returns (cand_k, cand_v
-    [B, Hkv, C, D], evict [B, Hkv, C], last [T + 1], the next memory {name: tensor} or None); None where the kernel
-    does not apply (gradients wanted, not on a CPU, other dtypes or widths, no compiler). A stream token that never
+    (k_prev, v_prev [B, Wp, Hkv, D] float32 or bfloat16, pos_prev, score_prev) and the layer's state (None: no cache;
+    its memory_* tensors, MEMORY_PARTS, hold the memory once filled). Returns (cand_k, cand_v [B, Hkv, C, D], evict
+    [B, Hkv, C], last [T + 1], the next memory {part: tensor} or None without a state); None where the kernel does
+    not apply (gradients wanted, not on a CPU, other dtypes or widths, no compiler). A stream token that never
     enters the memory before the last query, and is not stored, is neither coded nor read: zeros in cand_k/cand_v,
     which attention weighs 0 as it would its values."""
     tensors = (k, v, k_prev, v_prev, retention, score_prev)
@@ -98,15 +100,14 @@ def memory_prefill_cpu(k, v, pos, retention, k_prev, v_prev, pos_prev, score_pre
     if lib is None:
         return None
     B, T, Hkv, D = k.shape
-    Wp, M = k_prev.shape[1], memory_size
+    Wp, M, keep = k_prev.shape[1], memory_size, state is not None
+    memory = None if state is None or state.memory_k is None else {
+        name: getattr(state, "memory_" + name) for name in MEMORY_PARTS}
     held = 0 if memory is None else M
     C = held + Wp + T
     width, code = (D // 2, torch.uint8) if bits == 4 else (D, torch.int8)
-    if memory is None:
-        memory = {"k": torch.empty(0, dtype=code), "v": torch.empty(0, dtype=code),
-                  "k_scale": torch.empty(0, dtype=torch.bfloat16), "v_scale": torch.empty(0, dtype=torch.bfloat16),
-                  "pos": torch.empty(0, dtype=torch.int64), "score": torch.empty(0)}
-    elif any(memory[name].dtype != want for name, want in (("k", code), ("v", code), ("pos", torch.int64))):
+    if memory is not None and any(memory[name].dtype != want for name, want in (("k", code), ("v", code),
+                                                                                 ("pos", torch.int64))):
         return None
     cand_k, cand_v = torch.empty(B, Hkv, C, D), torch.empty(B, Hkv, C, D)
     evict, last = torch.empty(B, Hkv, C, dtype=torch.int64), torch.empty(T + 1, dtype=torch.int64)
@@ -116,14 +117,12 @@ def memory_prefill_cpu(k, v, pos, retention, k_prev, v_prev, pos_prev, score_pre
                 "k_scale": torch.empty(B, Hkv, M, 1, dtype=torch.bfloat16),
                 "v_scale": torch.empty(B, Hkv, M, 1, dtype=torch.bfloat16),
                 "pos": torch.empty(B, Hkv, M, dtype=torch.int64), "score": torch.empty(B, Hkv, M)}
-    ins = [k_prev, v_prev, k, v, pos_prev, pos, score_prev, retention] + [
-        memory[name] for name in ("k", "v", "k_scale", "v_scale", "pos", "score")]
-    outs = [cand_k, cand_v, evict, last] + [
-        None if kept is None else kept[name] for name in ("k", "v", "k_scale", "v_scale", "pos", "score")]
-    ins = [dense(t.detach()) for t in ins]
+    held_parts = [None] * len(MEMORY_PARTS) if memory is None else [dense(memory[name]) for name in MEMORY_PARTS]
+    ins = [dense(t.detach()) for t in (k_prev, v_prev, k, v, pos_prev, pos, score_prev, retention)] + held_parts
+    outs = [cand_k, cand_v, evict, last] + [None if kept is None else kept[name] for name in MEMORY_PARTS]
     rc = lib.aaren_memory_prefill(B, Hkv, D, M, held, Wp, T, window, num_sinks, bits, int(rotate),
                                   int(k_prev.dtype == torch.bfloat16), int(keep),
-                                  *(t.data_ptr() for t in ins), *(None if t is None else t.data_ptr() for t in outs))
+                                  *(None if t is None else t.data_ptr() for t in ins + outs))
     if rc == 1:
         return None
     if rc != 0:

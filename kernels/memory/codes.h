@@ -63,6 +63,17 @@ static inline void load_row(float *dst, const void *src, int bf16, int64_t off, 
     }
 }
 
+/* load_row's inverse: D float32 values to element offset off of a float32 or bfloat16 array (rounded to nearest
+ * even, as c10::BFloat16) */
+static inline void store_row(void *dst, int bf16, int64_t off, const float *x, int D) {
+    if (!bf16) {
+        memcpy((float *)dst + off, x, sizeof(float) * D);
+        return;
+    }
+    uint16_t *h = (uint16_t *)dst + off;
+    for (int d = 0; d < D; d++) h[d] = float_to_bf16(x[d]);
+}
+
 /* x times the +-1 Sylvester-Hadamard matrix, as modeling_aaren.hadamard's butterflies (without its 1 / D): the top
  * bit of the index is paired each round and becomes the lowest. For D a multiple of 16, eight pairs at a time: the
  * same sums of the same pairs, so the same bits; with D known when compiled (the common head widths) the rounds run

@@ -20,11 +20,6 @@
 int aaren_memory_evict(int rows, int C, int upto, int M, int num_sinks, const int64_t *pos, const float *score,
                        int64_t *evict);
 
-/* row r's vector of a [B, L, Hkv, D] tensor (float32, or bfloat16 when bf16) as float32 */
-static void stream_row(const void *x, int bf16, int64_t index, int D, float *out) {
-    load_row(out, x, bf16, index * D, D);
-}
-
 /* k_prev, v_prev [B, Wp, Hkv, D] (bfloat16 when prev_bf16, else float32), k, v [B, T, Hkv, D] float32; pos_prev
  * [B, Wp], pos [B, T]; score_prev [B, Wp, Hkv], retention [B, T, Hkv]; the memory held (held = 0 or M entries):
  * mem_k, mem_v [B, Hkv, held, width] codes, mem_ks, mem_vs [B, Hkv, held] bfloat16 scales, mem_pos, mem_score
@@ -112,9 +107,9 @@ int aaren_memory_prefill(int B, int Hkv, int D, int M, int held, int Wp, int T, 
             }
             for (int kv = 0; kv < 2; kv++) {
                 if (s < Wp)
-                    stream_row(kv ? v_prev : k_prev, prev_bf16, ((int64_t)b * Wp + s) * Hkv + h, D, x);
+                    load_row(x, kv ? v_prev : k_prev, prev_bf16, (((int64_t)b * Wp + s) * Hkv + h) * D, D);
                 else
-                    stream_row(kv ? v : k, 0, ((int64_t)b * T + s - Wp) * Hkv + h, D, x);
+                    load_row(x, kv ? v : k, 0, (((int64_t)b * T + s - Wp) * Hkv + h) * D, D);
                 encode(x, D, bits, rotate, codes + (e + kv) * width, scales + e + kv);
                 decode(codes + (e + kv) * width, scales[e + kv], D, bits, rotate, (kv ? cand_v : cand_k) + at * D);
             }

@@ -62,13 +62,12 @@ def window_prefill_cpu(k, v, pos, k_prev, v_prev, pos_prev, sinks, window: int, 
     score_prev [B, Wp, Hkv] and retention [B, T, Hkv]. Returns (k, v, (sink_k, sink_v, sink_pos), {"k", "v", "pos",
     "score"} or None); None where the kernel does not apply (gradients wanted, not on a CPU, other dtypes, no
     compiler)."""
-    scores = (score_prev, retention) if retention is not None else ()
-    if retention is not None and score_prev is None:  # nothing held yet
-        if k_prev.shape[1] > 0:
-            return None
-        scores = (retention,)
+    if retention is None:
+        score_prev = None
+    scores = [t for t in (score_prev, retention) if t is not None]
     tensors = (k, v, k_prev, v_prev, *sinks[:2], *scores)
-    if (torch.is_grad_enabled() or any(t.device.type != "cpu" for t in tensors) or k.dtype != torch.float32
+    if ((retention is not None and score_prev is None and k_prev.shape[1] > 0)  # a held window without its scores
+            or torch.is_grad_enabled() or any(t.device.type != "cpu" for t in tensors) or k.dtype != torch.float32
             or v.dtype != torch.float32 or stored not in (torch.float32, torch.bfloat16)
             or any(t.dtype != stored for t in (k_prev, v_prev, *sinks[:2]))
             or any(t.dtype != torch.float32 for t in scores) or pos.dtype != torch.int64):

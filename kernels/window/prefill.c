@@ -16,15 +16,6 @@
 
 #include "../memory/codes.h"
 
-static inline void put_row(void *dst, int bf16, int64_t off, const float *x, int D) {
-    if (!bf16) {
-        memcpy((float *)dst + off, x, sizeof(float) * D);
-        return;
-    }
-    uint16_t *h = (uint16_t *)dst + off;
-    for (int d = 0; d < D; d++) h[d] = float_to_bf16(x[d]);
-}
-
 /* k, v [B, T, Hkv, D] float32 (k rotated) -> kr, vr: rounded to bfloat16 and back when bf16. The window held:
  * k_prev, v_prev [B, Wp, Hkv, D] (bfloat16 when bf16, else float32), pos_prev [B, Wp], score_prev [B, Wp, Hkv];
  * retention [B, T, Hkv] (score_prev and retention NULL without a memory). sink_k, sink_v [B, S, Hkv, D] and
@@ -52,8 +43,8 @@ int aaren_window_prefill(int B, int T, int Hkv, int D, int Wp, int W, int S, int
                 if (pos[(int64_t)b * T + t] == s) {
                     const int64_t from = ((int64_t)b * T + t) * HD, to = ((int64_t)b * S + s) * HD;
                     for (int h = 0; h < Hkv; h++) {
-                        put_row(sink_k, bf16, to + h * D, kr + from + h * D, D);
-                        put_row(sink_v, bf16, to + h * D, vr + from + h * D, D);
+                        store_row(sink_k, bf16, to + h * D, kr + from + h * D, D);
+                        store_row(sink_v, bf16, to + h * D, vr + from + h * D, D);
                     }
                     sink_pos[(int64_t)b * S + s] = s;
                     break;
@@ -82,8 +73,8 @@ int aaren_window_prefill(int B, int T, int Hkv, int D, int Wp, int W, int S, int
                 if (new_score) memcpy(new_score + to * Hkv, score_prev + from * Hkv, sizeof(float) * Hkv);
             } else {
                 const int64_t from = (int64_t)b * T + e - Wp;
-                put_row(new_k, bf16, to * HD, kr + from * HD, (int)HD);
-                put_row(new_v, bf16, to * HD, vr + from * HD, (int)HD);
+                store_row(new_k, bf16, to * HD, kr + from * HD, (int)HD);
+                store_row(new_v, bf16, to * HD, vr + from * HD, (int)HD);
                 new_pos[to] = pos[from];
                 if (new_score) memcpy(new_score + to * Hkv, retention + from * Hkv, sizeof(float) * Hkv);
             }
