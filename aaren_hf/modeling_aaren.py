@@ -38,11 +38,12 @@ try:  # Triton kernels on CUDA and the C kernels on CPUs, when this package is i
     from aaren_hf.kernels.aaren import aaren_prefill_cpu
     from aaren_hf.kernels.memory import memory_evict_cpu, memory_prefill_cpu, memory_round_cpu
     from aaren_hf.kernels.mixer import mixer_step_cpu
-    from aaren_hf.kernels.window import rotate_cpu, window_attention_cpu, window_cpu_takes, window_prefill_cpu
+    from aaren_hf.kernels.window import (rotate_cpu, sink_scores_cpu, window_attention_cpu, window_cpu_takes,
+                                         window_prefill_cpu)
 except ImportError:
     chunk_aaren, fused_recurrent_aaren = chunk_aaren_torch, recurrent_aaren_torch
     aaren_prefill_cpu = memory_evict_cpu = memory_prefill_cpu = memory_round_cpu = mixer_step_cpu = None
-    rotate_cpu = window_attention_cpu = None
+    rotate_cpu = sink_scores_cpu = window_attention_cpu = None
     fused_aaren_step = fused_chunk_aaren_mixed = fused_memory_round = fused_window_attention = None
     fused_window_step = window_cpu_takes = window_prefill_cpu = None
 
@@ -555,6 +556,12 @@ def _sink_scores(q, qpos, sink_k, window, rotary, attend):
     S, Hkv, W = sink_k.shape[1], sink_k.shape[2], window
     arange = partial(torch.arange, device=q.device)
     turned = rotary.turn_back(sink_k.float().unsqueeze(1).expand(B, S + W, S, Hkv, D).reshape(B, S + W, S * Hkv, D))
+    if sink_scores_cpu is not None and attend == torch.float32:
+        # with the aaren_hf package, on a CPU without gradients: the gather and products below in one C call
+        # (kernels/window/chunk.c), equal to rounding
+        scores = sink_scores_cpu(q, qpos, turned.view(B, S + W, S, Hkv, D))
+        if scores is not None:
+            return scores
     c = qpos.clamp(min=0, max=S + W - 1) + arange(0, B * (S + W), S + W).view(B, 1)
     sink_keys = turned.reshape(B * (S + W), S, Hkv, D).index_select(0, c.flatten()).view(B, T, S, Hkv, D)
     return torch.matmul(q.to(attend).view(B, T, Hkv, H // Hkv, D), sink_keys.to(attend).permute(0, 1, 3, 4, 2))

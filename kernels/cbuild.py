@@ -2,7 +2,7 @@
 memory's ranking and codes, and a prompt's memory: ``memory/evict.c``, ``memory/codes.c``, ``memory/prefill.c``,
 with ``memory/codes.h`` shared by the three libraries; a prompt's scan, ``aaren/step.c``; window attention, forward
 and backward, ``window/chunk.c``, with the rotary embedding, ``window/rotate.c``, and a prompt's window bookkeeping,
-``window/prefill.c``), compiled on first use and loaded with ctypes.
+``window/prefill.c``; ``vec8.h``, 8 floats at a time, for all), compiled on first use and loaded with ctypes.
 
 They are compiled with the machine's C compiler (``$CC``, else ``cc``/``gcc``) into ``$AAREN_HF_CACHE/kernels``
 (default ``~/.cache/aaren_hf/kernels``), keyed by the sources, the flags and the CPU: no build step at install, no

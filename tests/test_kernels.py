@@ -511,6 +511,93 @@ def test_aaren_prefill_cpu_equals_the_branch_reference(case, score_scale):
         assert (a - b).abs().max() <= 1e-5 * max(b.abs().max().item(), 1.0), (i, (a - b).abs().max().item())
 
 
+@pytest.mark.parametrize("decay", ["none", "learned", "input"])
+@pytest.mark.parametrize("H, Hkv, J, D", [(4, 2, 3, 16), (3, 3, 1, 24), (2, 1, 9, 8)])
+def test_aaren_prefill_cpu_is_the_decode_step_bit_for_bit(decay, H, Hkv, J, D):
+    """A prompt through the C prefill in one call, in pieces of 1, 2 and 6 tokens, and token after token through
+    the C decode step (kernels/mixer: aaren/step.c's aaren_branch_step) gives the same outputs and state bit for
+    bit: one per-token code serves both, so a prompt's split changes no bit. Padding inside the prompt, op heads not
+    a multiple of the eight lanes, scores from tiny to about 1e3."""
+    from aaren_hf.kernels.aaren import aaren_prefill_cpu
+    from aaren_hf.kernels.mixer import mixer_step_cpu
+    from aaren_hf.modeling_aaren import AarenLayerState
+
+    g = torch.Generator().manual_seed(5)
+    B, T = 2, 17
+    q, k, v = torch.randn(B, T, H, D, generator=g), torch.randn(B, T, Hkv, D, generator=g), torch.randn(
+        B, T, Hkv, D, generator=g)
+    k[1, 9] *= 300.0
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[0, 3:5] = False
+    mask[1, 16] = False
+    queries, scale = torch.randn(H, J, D, generator=g), D ** -0.5
+    log_decay = (torch.randn(H, J, generator=g) - 3.0) if decay != "none" else None
+    decay_in = torch.randn(B, T, H * J, generator=g) if decay == "input" else None
+    pos = torch.where(mask, torch.arange(T).expand(B, T), -1)
+
+    def prefill(piece, carried):
+        return aaren_prefill_cpu(q[:, piece], k[:, piece], v[:, piece], mask[:, piece], queries, scale, decay,
+                                 log_decay, None if decay_in is None else decay_in[:, piece], carried, True)
+
+    with torch.no_grad():
+        whole = prefill(slice(0, T), None)
+        if whole is None:
+            pytest.skip("no C compiler")
+        runs = {}
+        for name, cuts in (("pieces", (0, 1, 3, 9, T)), ("steps", (0, 1))):
+            outs, carried = [], None
+            for a, b in zip(cuts[:-1], cuts[1:]):
+                o, _, carried = prefill(slice(a, b), carried)
+                outs.append(o)
+            if name == "steps":
+                state = AarenLayerState()
+                state.aaren_o, state.aaren_lse = carried
+                for t in range(1, T):
+                    one = slice(t, t + 1)
+                    outs.append(mixer_step_cpu(
+                        q[:, one], k[:, one], v[:, one], pos[:, one], mask[:, one], state, queries=queries,
+                        log_decay=log_decay, decay_in=None if decay_in is None else decay_in[:, one], decay=decay,
+                        angles=None, sink_turn=None, window=0, sinks=0, memory_size=0, bits=None, rotate=False,
+                        retention=None, rule="learned", share=0, shared_retention=None, gate=None, scale=scale))
+                carried = (state.aaren_o, state.aaren_lse)
+            runs[name] = (torch.cat(outs, 1), *carried)
+    for name, got in runs.items():
+        for a, b in zip(got, (whole[0], *whole[2])):
+            assert torch.isfinite(a).all() and torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("case", ["window_sinks_gate_input", "partial_rotary", "gqa_slots_window"])
+def test_sink_scores_cpu_equals_its_reference(case, monkeypatch):
+    """The sinks' scores of a prompt in C (kernels/window/chunk.c, aaren_sink_scores) against _sink_scores'
+    PyTorch gather and matmul: queries at padding (-1), inside the first S + W positions and beyond, two rows,
+    an odd length, queries and positions that are slices of longer tensors (as a second piece of a prompt is); to
+    float rounding. With gradients wanted the C call declines and autograd's path runs."""
+    import aaren_hf.modeling_aaren as modeling
+    from aaren_hf.modeling_aaren import Rotary, _sink_scores
+    from helpers import MIXER_CASES, tiny_model
+
+    mixer = tiny_model(**MIXER_CASES[case]).model.layers[0].mixer
+    g = torch.Generator().manual_seed(3)
+    B, T, H, Hkv, D, S, W = 2, 19, mixer.num_heads, mixer.num_kv_heads, mixer.head_dim, mixer.num_sinks, mixer.window
+    q, sink_k = torch.randn(B, T + 4, H, D, generator=g)[:, 4:], torch.randn(B, S, Hkv, D, generator=g) * 4.0
+    pos = torch.stack([torch.arange(T + 4) - 6, torch.arange(T + 4) * 3 + 40])[:, 4:]
+    assert not q.is_contiguous() and not pos.is_contiguous()
+    rotary = Rotary(pos, mixer.rope_inv_freq)
+    with torch.no_grad():
+        got = _sink_scores(q, pos, sink_k, W, rotary, torch.float32)
+        monkeypatch.setattr(modeling, "sink_scores_cpu", None)
+        want = _sink_scores(q, pos, sink_k, W, rotary, torch.float32)
+    monkeypatch.undo()
+    if modeling.sink_scores_cpu is None or modeling.sink_scores_cpu(q, pos, torch.zeros(B, S + W, S, Hkv, D)) is None:
+        pytest.skip("no C compiler")
+    assert got.shape == want.shape == (B, T, Hkv, H // Hkv, S)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    q.requires_grad_()
+    assert modeling.sink_scores_cpu(q, pos, torch.zeros(B, S + W, S, Hkv, D)) is None
+    _sink_scores(q, pos, sink_k, W, rotary, torch.float32).sum().backward()
+    assert q.grad is not None and q.grad.abs().sum() > 0
+
+
 def test_aaren_prefill_cpu_declines_where_its_reference_runs(monkeypatch):
     """Gradients wanted, float64, or the C kernels turned off (AAREN_BACKEND=torch): None, so the model runs the
     PyTorch branch (the chunked scan)."""

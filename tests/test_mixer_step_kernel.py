@@ -206,16 +206,20 @@ def test_every_file_a_kernel_builds_from_ships_with_the_package():
     import fnmatch
     from pathlib import Path
 
+    import aaren_hf.kernels as kernels_package
     from aaren_hf.kernels import aaren as aaren_kernel
     from aaren_hf.kernels import memory as memory_kernel
+    from aaren_hf.kernels import window as window_kernel
 
     setup = configparser.ConfigParser()
     setup.read(Path(__file__).parent.parent / "setup.cfg")
     shipped = {package: [p.strip() for p in patterns.split(",")]
                for package, patterns in setup["options.package_data"].items()}
-    files = {*aaren_kernel.SOURCES, *memory_kernel.SOURCES, *memory_kernel.HEADERS, *mixer_kernel.SOURCES,
-             *mixer_kernel.HEADERS}
-    assert any(f.suffix == ".h" for f in files)
+    files = {f for kernel in (aaren_kernel, memory_kernel, mixer_kernel, window_kernel)
+             for f in (*kernel.SOURCES, *kernel.HEADERS)}
+    assert {f.suffix for f in files} == {".c", ".h"}
+    root = Path(kernels_package.__file__).parent
     for f in files:
-        patterns = shipped.get(f"aaren_hf.kernels.{f.parent.name}", [])
-        assert any(fnmatch.fnmatch(f.name, p) for p in patterns), f"{f.parent.name}/{f.name} is not in package_data"
+        package = ".".join(("aaren_hf.kernels", *f.parent.relative_to(root).parts))
+        patterns = shipped.get(package, [])
+        assert any(fnmatch.fnmatch(f.name, p) for p in patterns), f"{f.relative_to(root)} is not in package_data"

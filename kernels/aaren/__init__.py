@@ -18,7 +18,7 @@ from .naive import naive_aaren
 __all__ = ["naive_aaren", "chunk_aaren_triton", "fused_recurrent_aaren_triton", "aaren_prefill_cpu"]
 
 SOURCES = (Path(__file__).parent / "step.c",)
-HEADERS = (Path(__file__).parent.parent / "memory" / "codes.h",)  # the 8-float vectors
+HEADERS = (Path(__file__).parent.parent / "vec8.h",)
 SIGNATURES = {"aaren_branch_prefill": (ctypes.c_int, [ctypes.c_int] * 7 + [ctypes.c_float] + [ctypes.c_void_p] * 11)}
 DECAYS = {"none": 0, "fixed": 1, "learned": 1, "input": 2}
 

@@ -13,6 +13,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "../vec8.h"
+
 #define MAX_D 256
 
 static inline float bf16_to_float(uint16_t h) {
@@ -29,26 +31,6 @@ static inline uint16_t float_to_bf16(float f) {
     if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
-
-/* 8 floats at a time (GCC/Clang vector extension): the compilers do not vectorise a float sum on their own without
- * -ffast-math, which these files must not use */
-typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i32 __attribute__((vector_size(32)));
-typedef uint8_t v8u8 __attribute__((vector_size(8)));
-typedef int8_t v8i8 __attribute__((vector_size(8)));
-
-static inline v8f load8(const float *p) {
-    v8f x;
-    memcpy(&x, p, sizeof(x));
-    return x;
-}
-
-static inline void store8(float *p, v8f x) { memcpy(p, &x, sizeof(x)); }
-
-static inline v8f splat8(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
-
-/* where mask (-1 lanes) a, else b: C's vector extension has no ?: */
-static inline v8f select8(v8i32 mask, v8f a, v8f b) { return (v8f)(((v8i32)a & mask) | ((v8i32)b & ~mask)); }
 
 /* row of D elements at element offset off of a float32 or bfloat16 array, as float32 */
 static inline void load_row(float *dst, const void *src, int bf16, int64_t off, int D) {

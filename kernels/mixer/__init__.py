@@ -26,7 +26,7 @@ __all__ = ["mixer_step_cpu", "library"]
 
 KERNELS = Path(__file__).parent.parent
 SOURCES = (KERNELS / "aaren" / "step.c", KERNELS / "window" / "step.c", KERNELS / "mixer" / "step.c")
-HEADERS = (KERNELS / "memory" / "codes.h",)  # the memory's codes, which window/step.c reads and writes
+HEADERS = (KERNELS / "memory" / "codes.h", KERNELS / "vec8.h")  # the memory's codes, which window/step.c uses
 SIGNATURES = {"aaren_mixer_step": (ctypes.c_int, [ctypes.c_int] * 16 + [ctypes.c_float] + [ctypes.c_void_p] * 37)}
 DECAY = {"none": 0, "fixed": 1, "learned": 1, "input": 2}
 RULE = {"learned": 1, "aaren": 2}

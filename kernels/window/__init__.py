@@ -16,18 +16,20 @@ import torch
 
 from ..cbuild import dense, load
 
-__all__ = ["rotate_cpu", "window_attention_cpu", "window_cpu_takes", "window_prefill_cpu"]
+__all__ = ["rotate_cpu", "sink_scores_cpu", "window_attention_cpu", "window_cpu_takes", "window_prefill_cpu"]
 
+KERNELS = Path(__file__).parent.parent
 SOURCES = tuple(Path(__file__).parent / name for name in ("chunk.c", "rotate.c", "prefill.c"))
-# chunk.c's 8-float vector helpers, prefill.c's bfloat16 rounding
-HEADERS = (Path(__file__).parent.parent / "memory" / "codes.h",)
+# prefill.c's bfloat16 rounding; chunk.c's 8-float vectors
+HEADERS = (KERNELS / "memory" / "codes.h", KERNELS / "vec8.h")
 _ARGS = [ctypes.c_int] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_float,
                                                       ctypes.c_int] + [ctypes.c_void_p] * 12
 SIGNATURES = {"aaren_window_attention_takes": (ctypes.c_int, [ctypes.c_int] * 3),
               "aaren_window_attention": (ctypes.c_int, _ARGS + [ctypes.c_void_p]),
               "aaren_window_attention_backward": (ctypes.c_int, _ARGS + [ctypes.c_void_p] * 8),
               "aaren_rotate": (ctypes.c_int, [ctypes.c_int64] + [ctypes.c_int] * 3 + [ctypes.c_void_p] * 4),
-              "aaren_window_prefill": (ctypes.c_int, [ctypes.c_int] * 9 + [ctypes.c_void_p] * 17)}
+              "aaren_window_prefill": (ctypes.c_int, [ctypes.c_int] * 9 + [ctypes.c_void_p] * 17),
+              "aaren_sink_scores": (ctypes.c_int, [ctypes.c_int] * 7 + [ctypes.c_void_p] * 4)}
 
 
 def _library():
@@ -46,9 +48,30 @@ def rotate_cpu(x, cos, sin):
     if lib is None:
         return None
     B, T, h, D = x.shape
-    x_, out = dense(x), torch.empty(x.shape)
-    if lib.aaren_rotate(B * T, h, D, cos.shape[-1], x_.data_ptr(), dense(cos).data_ptr(), dense(sin).data_ptr(),
-                        out.data_ptr()) != 0:
+    ins = [dense(t) for t in (x, cos, sin)]  # held until the call returns (a copy made in the call would be freed)
+    out = torch.empty(x.shape)
+    if lib.aaren_rotate(B * T, h, D, cos.shape[-1], *(t.data_ptr() for t in ins), out.data_ptr()) != 0:
+        return None
+    return out
+
+
+def sink_scores_cpu(q, qpos, turned):
+    """``_sink_scores`` (modeling_aaren.py) after its rotation, without gradients, to float rounding: q [B, T, H, D]
+    float32 (not rotated), qpos [B, T], turned [B, S + W, S, Hkv, D] the sink keys turned back by each distance;
+    returns [B, T, Hkv, G, S] float32. None where it does not apply (gradients wanted, not on a CPU, other dtypes,
+    no compiler)."""
+    if (torch.is_grad_enabled() and (q.requires_grad or turned.requires_grad)) or any(
+            t.device.type != "cpu" or t.dtype != torch.float32 for t in (q, turned)) or qpos.dtype != torch.int64:
+        return None
+    lib = _library()
+    if lib is None:
+        return None
+    B, T, H, D = q.shape
+    SW, S, Hkv = turned.shape[1:4]
+    # held until the call returns: a contiguous copy made inside the call's arguments would be freed before it runs
+    ins = [dense(t.detach()) for t in (q, qpos, turned)]
+    out = torch.empty(B, T, Hkv, H // Hkv, S)
+    if lib.aaren_sink_scores(B, T, H, Hkv, D, S, SW - S, *(t.data_ptr() for t in ins), out.data_ptr()) != 0:
         return None
     return out
 

@@ -30,9 +30,9 @@
 #include <omp.h>
 #endif
 
-#include "../memory/codes.h" /* 8-float vectors: v8f, v8i32, load8, store8, splat8, select8 */
+#pragma GCC optimize("fp-contract=fast") /* products to fused multiply-adds, exp8's polynomial too */
 
-#pragma GCC optimize("fp-contract=fast") /* after the include: its coding keeps the reference's roundings */
+#include "../vec8.h"
 
 #define QB 16  /* queries per block: each reads QB + W - 1 window rows, so fewer means less waste, more passes */
 #define KT 32  /* keys per score tile (4 vectors) */
@@ -40,22 +40,26 @@
 #define MAX_G 16
 #define MAX_THREADS 256
 
-/* exp of x <= 0 (-inf included) for 8 floats: Cephes' expf (x = n ln 2 + r, a degree-6 polynomial in r, 2^n in the
- * exponent bits); 0 below -80, where a weight no longer moves a float32 sum that holds the row's top weight 1 */
-static inline v8f exp8(v8f x) {
-    v8i32 live = x > splat8(-80.0f);
-    x = select8(live, x, splat8(-80.0f));
-    v8f n = (x * splat8(1.44269504088896341f) + splat8(12582912.0f)) - splat8(12582912.0f); /* round to nearest */
-    v8f r = (x - n * splat8(0.693359375f)) + n * splat8(2.12194440e-4f);
-    v8f p = splat8(1.9875691500e-4f);
-    p = p * r + splat8(1.3981999507e-3f);
-    p = p * r + splat8(8.3334519073e-3f);
-    p = p * r + splat8(4.1665795894e-2f);
-    p = p * r + splat8(1.6666665459e-1f);
-    p = p * r + splat8(5.0000001201e-1f);
-    p = p * (r * r) + r + splat8(1.0f);
-    v8i32 e = (__builtin_convertvector(n, v8i32) + 127) << 23;
-    return (v8f)((v8i32)(p * (v8f)e) & live);
+/* out[d][i] = rows[i][d] for 8 rows of D floats (D a multiple of 8; a NULL row reads as zeros) into columns
+ * 0 .. 7 of out [D][ld]: 8 x 8 blocks transposed in registers, not 8 D strided stores of one float */
+static inline void transpose8(const float *const rows[8], int D, float *out, int64_t ld) {
+    for (int d = 0; d < D; d += 8) {
+        v8f r[8], t[8], u[8];
+        for (int i = 0; i < 8; i++) r[i] = rows[i] ? load8(rows[i] + d) : splat8(0.0f);
+        for (int i = 0; i < 8; i += 2) {
+            t[i] = __builtin_shufflevector(r[i], r[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+            t[i + 1] = __builtin_shufflevector(r[i], r[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+        }
+        for (int i = 0; i < 8; i += 4)
+            for (int h = 0; h < 2; h++) {
+                u[i + 2 * h] = __builtin_shufflevector(t[i + h], t[i + h + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+                u[i + 2 * h + 1] = __builtin_shufflevector(t[i + h], t[i + h + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+            }
+        for (int c = 0; c < 4; c++) {
+            store8(out + (int64_t)(d + c) * ld, __builtin_shufflevector(u[c], u[c + 4], 0, 1, 2, 3, 8, 9, 10, 11));
+            store8(out + (int64_t)(d + c + 4) * ld, __builtin_shufflevector(u[c], u[c + 4], 4, 5, 6, 7, 12, 13, 14, 15));
+        }
+    }
 }
 
 /* S[r][k0 .. k0 + KT) = <Q[r], key k> for RT rows: Q [rows][D], Kt [D][ldk] (keys transposed) */
@@ -107,6 +111,33 @@ static inline void values(const float *P, int64_t ldp, const float *V, int D, in
     int d0 = 0;
     for (; d0 + 32 <= D; d0 += 32) value_tile(P, ldp, V, D, k0, k1, d0, 4, O);
     for (; d0 < D; d0 += 8) value_tile(P, ldp, V, D, k0, k1, d0, 1, O);
+}
+
+/* The sinks' scores for a prompt without gradients (the kernels take them computed, as the Triton one does):
+ * out [B, T, H, S] = <q[b, t, h], turned[b, c, s, h / G]>, c = min(max(qpos, 0), S + W - 1), q [B, T, H, D] not
+ * rotated and turned [B, S + W, S, Hkv, D] the sink keys turned back by each distance c a query reads them at.
+ * Reference: _sink_scores in modeling_aaren.py (an index_select and a matmul), equal to rounding. */
+int aaren_sink_scores(int B, int T, int H, int Hkv, int D, int S, int W, const float *q, const int64_t *qpos,
+                      const float *turned, float *out) {
+    if (D % 8 || H % Hkv) return 1;
+    const int G = H / Hkv;
+    for (int b = 0; b < B; b++)
+        for (int t = 0; t < T; t++) {
+            const int64_t bt = (int64_t)b * T + t, p = qpos[bt];
+            const int64_t c = p < 0 ? 0 : p > S + W - 1 ? S + W - 1 : p;
+            const float *keys = turned + ((int64_t)b * (S + W) + c) * S * Hkv * D;
+            for (int h = 0; h < H; h++) {
+                const float *qh = q + (bt * H + h) * D;
+                for (int s = 0; s < S; s++) {
+                    const float *key = keys + ((int64_t)s * Hkv + h / G) * D;
+                    v8f acc = splat8(0.0f);
+                    for (int d = 0; d < D; d += 8) acc += load8(qh + d) * load8(key + d);
+                    out[(bt * H + h) * S + s] =
+                        ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+                }
+            }
+        }
+    return 0;
 }
 
 /* whether the kernels take these shapes (where not, they return 1 and write nothing) */
@@ -224,21 +255,19 @@ static block gather(const job *j, buffers *m, int b, int h, int t0, int backward
         }
     }
     k_.ld = k_.Kp + (S + 7) / 8 * 8;
-    for (int k = 0; k < k_.K; k++) {
-        int64_t at = key_offset(j, m, &k_, k);
-        const float *key = (k < k_.kw ? j->ks : j->mk) + at, *val = (k < k_.kw ? j->vs : j->mv) + at;
-        for (int d = 0; d < D; d++) m->Kt[(int64_t)d * k_.Kp + k] = key[d];
-        if (!backward) memcpy(m->V + (int64_t)k * D, val, sizeof(float) * D); /* backward reads them transposed */
-        if (backward) {
-            memcpy(m->Kr + (int64_t)k * D, key, sizeof(float) * D);
-            for (int d = 0; d < D; d++) m->Vt[(int64_t)d * k_.Kp + k] = val[d];
+    for (int k0 = 0; k0 < k_.Kp; k0 += 8) { /* Kp is a multiple of KT, so of 8; columns past the last key: 0 */
+        const float *key[8], *val[8];
+        for (int i = 0; i < 8; i++) {
+            const int k = k0 + i;
+            const int64_t at = k < k_.K ? key_offset(j, m, &k_, k) : 0;
+            key[i] = k >= k_.K ? NULL : (k < k_.kw ? j->ks : j->mk) + at;
+            val[i] = k >= k_.K ? NULL : (k < k_.kw ? j->vs : j->mv) + at;
+            if (key[i] && !backward) memcpy(m->V + (int64_t)k * D, val[i], sizeof(float) * D); /* backward: Vt */
+            if (key[i] && backward) memcpy(m->Kr + (int64_t)k * D, key[i], sizeof(float) * D);
         }
+        transpose8(key, D, m->Kt + k0, k_.Kp);
+        if (backward) transpose8(val, D, m->Vt + k0, k_.Kp);
     }
-    for (int d = 0; d < D; d++)
-        for (int64_t k = k_.K; k < k_.Kp; k++) {
-            m->Kt[(int64_t)d * k_.Kp + k] = 0.0f;
-            if (backward) m->Vt[(int64_t)d * k_.Kp + k] = 0.0f;
-        }
     for (int s = 0; s < S; s++)
         memcpy(m->V + (k_.Kp + s) * D, j->sink_v + (((int64_t)b * S + s) * Hkv + h) * D, sizeof(float) * D);
     k_.nr = k_.nq * G;
