@@ -23,9 +23,11 @@ In a prefill without gradients the Aaren branch runs token after token in C (``a
 ``aaren/step.c``; reference: ``AarenMixer.aaren_output``'s PyTorch path and ``aaren_scan.chunk_aaren_mixed``), the
 window's bookkeeping around its attention is ``window/prefill.c`` and the memory's candidates and next state
 ``memory/prefill.c`` (reference: ``AarenMixer.window_branch``, ``memory_candidates`` and ``keep_memory``), whose
-ranking is ``memory/evict.c`` (reference: the block sweep of ``memory_visibility``). The window's attention on a CPU, for training and prefill alike, forward and
-backward, is ``window/chunk.c`` (``window.window_attention_cpu``; reference: the PyTorch path of
-``window_attention``).
+ranking is ``memory/evict.c`` (reference: the block sweep of ``memory_visibility``). The window's attention on a
+CPU, for training and prefill alike, forward and backward, is ``window/chunk.c`` (``window.window_attention_cpu``;
+reference: the PyTorch path of ``window_attention``), which also gives a prompt's sink scores without gradients
+(``window.sink_scores_cpu``; reference: ``_sink_scores``). ``vec8.h`` holds the 8-float vectors (and their exp and
+log) that every C file uses.
 """
 
 import functools

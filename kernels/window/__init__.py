@@ -5,7 +5,8 @@ reference ``rotate_by``, bit for bit); its one-token decode step (reference: ``A
 Triton for a GPU (``fused_recurrent.py``) and in C for a CPU (``step.c``, the same algorithm), the C one compiled
 with the Aaren branch's into the mixer's one call per layer (``kernels/mixer``); and a prompt's bookkeeping around
 the attention without gradients on a CPU (``prefill.c``, ``window_prefill_cpu``: rounding, sinks, the window's next
-state), whose reference is ``AarenMixer.window_branch``, bit for bit."""
+state), whose reference is ``AarenMixer.window_branch``, bit for bit, and the sinks' scores (``chunk.c``,
+``sink_scores_cpu``: reference ``_sink_scores``, to float rounding)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,8 @@
  *
  *    window    stream row r, query i (stream row P0 + i):  P0 + i - W < r <= P0 + i  and  spos[r] >= 0
  *    memory    candidate c:                                c <= last[i] < evict[c]
- *    sinks     sink s: its score (computed outside: the query is rotated to another position for it) where seen
+ *    sinks     sink s: its score (computed outside, by autograd's ops when training, by aaren_sink_scores below for
+ *              a prompt: the query is rotated to another position for it) where seen
  *
  * Each query's own keys (64 of the window, what the memory holds) instead of the widest block's. A float32 softmax
  * in another order than the reference's (and exp by a polynomial, relative error about 1e-7): equal to rounding. The
