@@ -56,9 +56,10 @@ static inline void transpose8(const float *const rows[8], int D, float *out, int
                 u[i + 2 * h] = __builtin_shufflevector(t[i + h], t[i + h + 2], 0, 1, 8, 9, 4, 5, 12, 13);
                 u[i + 2 * h + 1] = __builtin_shufflevector(t[i + h], t[i + h + 2], 2, 3, 10, 11, 6, 7, 14, 15);
             }
-        for (int c = 0; c < 4; c++) {
+        for (int c = 0; c < 4; c++) { /* lower halves: dims d + c; upper halves: dims d + c + 4 */
             store8(out + (int64_t)(d + c) * ld, __builtin_shufflevector(u[c], u[c + 4], 0, 1, 2, 3, 8, 9, 10, 11));
-            store8(out + (int64_t)(d + c + 4) * ld, __builtin_shufflevector(u[c], u[c + 4], 4, 5, 6, 7, 12, 13, 14, 15));
+            store8(out + (int64_t)(d + c + 4) * ld,
+                   __builtin_shufflevector(u[c], u[c + 4], 4, 5, 6, 7, 12, 13, 14, 15));
         }
     }
 }
