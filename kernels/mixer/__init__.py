@@ -5,7 +5,7 @@
 (the window branch: rotary, one softmax over window, sinks and memory, the memory's update), with the retention score
 and the gate between them. The reference is the PyTorch code of ``AarenMixer.forward`` for a decode token (the
 decode paths of ``aaren_output`` and ``window_step``; what a checkpoint's own copy of the code runs). The kernel
-leaves the same state: the Aaren state to float rounding (``expf``/``logf`` and dot products in another order), the
+leaves the same state: the Aaren state to float rounding (exp and log by polynomials, products in another order), the
 rest bit for bit (window, sinks, the memory's choices and codes; with ``memory_rule="aaren"`` the ranking reads the
 kernel's slot scores, so a score within rounding of a 1/64 grid line could rank otherwise); and the same output to
 float rounding (tests/test_mixer_step_kernel.py). Without a compiler, or with ``AAREN_BACKEND=torch`` (or
