@@ -556,7 +556,7 @@ def _sink_scores(q, qpos, sink_k, window, rotary, attend):
     S, Hkv, W = sink_k.shape[1], sink_k.shape[2], window
     arange = partial(torch.arange, device=q.device)
     turned = rotary.turn_back(sink_k.float().unsqueeze(1).expand(B, S + W, S, Hkv, D).reshape(B, S + W, S * Hkv, D))
-    if sink_scores_cpu is not None and attend == torch.float32:
+    if sink_scores_cpu is not None:
         # with the aaren_hf package, on a CPU without gradients: the gather and products below in one C call
         # (kernels/window/chunk.c), equal to rounding
         scores = sink_scores_cpu(q, qpos, turned.view(B, S + W, S, Hkv, D))

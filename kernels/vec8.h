@@ -25,6 +25,12 @@ static inline void store8(float *p, v8f x) { memcpy(p, &x, sizeof(x)); }
 
 static inline v8f splat8(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
 
+/* the sum of the 8 lanes, lanes d and d + 4 first */
+static inline float sum8(v8f x) { return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7])); }
+
+/* the sum of the 8 lanes, adjacent pairs first (another order: other bits) */
+static inline float sum8_pairs(v8f x) { return ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7])); }
+
 /* where mask (-1 lanes) a, else b: C's vector extension has no ?: */
 static inline v8f select8(v8i32 mask, v8f a, v8f b) { return (v8f)(((v8i32)a & mask) | ((v8i32)b & ~mask)); }
 

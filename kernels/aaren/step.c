@@ -52,7 +52,7 @@ static float dot8(const float *a, const float *b, int D) {
     if (D % 8) return dot(a, b, D);
     v8f acc = splat8(0.0f);
     for (int d = 0; d < D; d += 8) acc += load8(a + d) * load8(b + d);
-    return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    return sum8(acc);
 }
 
 /* out[r] = <a, rows[r]> for n rows of D ([n, D]), each as dot8 sums it; four rows at a time share a's loads and
@@ -67,20 +67,14 @@ static inline void rows_dot(const float *a, const float *rows, int n, int D, flo
                 const v8f x = load8(a + d);
                 for (int i = 0; i < 4; i++) acc[i] += x * load8(b + (int64_t)i * D + d);
             }
-            for (int i = 0; i < 4; i++)
-                out[r + i] = (((acc[i][0] + acc[i][4]) + (acc[i][1] + acc[i][5])) +
-                              ((acc[i][2] + acc[i][6]) + (acc[i][3] + acc[i][7]))) * scale;
+            for (int i = 0; i < 4; i++) out[r + i] = sum8(acc[i]) * scale;
         }
     for (; r < n; r++) out[r] = dot8(a, rows + (int64_t)r * D, D) * scale;
 }
 
-/* out [D] = sum_j share[j] * slots[j] ([J, D]), summed in j's order; the one slot as it is for J = 1 (share
- * unread). Eight columns at a time in registers: one store per column instead of one per slot. */
+/* out [D] = sum_j share[j] * slots[j] ([J, D]), summed in j's order. Eight columns at a time in registers: one
+ * store per column instead of one per slot. */
 static inline void mix_slots(float *out, const float *slots, const float *share, int J, int D) {
-    if (J == 1) {
-        memcpy(out, slots, sizeof(float) * D);
-        return;
-    }
     int d = 0;
     for (; d + 8 <= D; d += 8) {
         v8f acc = splat8(0.0f);
@@ -159,8 +153,8 @@ static inline void branch_token(int H, int Hkv, int D, int J, int decay, float s
         const float share = w->share[hj];
         for (int d = 0; d < D; d++) on[d] = lerp(o[d], vv[d], share);
     }
-    if (J == 1) {
-        for (int h = 0; h < H; h++) mix_slots(out + (int64_t)h * D, o_new + (int64_t)h * D, 0, 1, D);
+    if (J == 1) { /* each head's one slot as it is */
+        memcpy(out, o_new, sizeof(float) * (size_t)H * D);
         return;
     }
     float *mix = w->mix;

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from ..aaren import DECAYS
 from ..cbuild import dense, load
 from ..state import writable
 
@@ -28,7 +29,6 @@ KERNELS = Path(__file__).parent.parent
 SOURCES = (KERNELS / "aaren" / "step.c", KERNELS / "window" / "step.c", KERNELS / "mixer" / "step.c")
 HEADERS = (KERNELS / "memory" / "codes.h", KERNELS / "vec8.h")  # the memory's codes, which window/step.c uses
 SIGNATURES = {"aaren_mixer_step": (ctypes.c_int, [ctypes.c_int] * 16 + [ctypes.c_float] + [ctypes.c_void_p] * 37)}
-DECAY = {"none": 0, "fixed": 1, "learned": 1, "input": 2}
 RULE = {"learned": 1, "aaren": 2}
 
 
@@ -101,7 +101,7 @@ def mixer_step_cpu(q, k, v, pos, mask, state, *, queries, log_decay, decay_in, d
         gate = dense(gate)
     out = torch.empty(B, 1, H, D)
     tensors = (*inputs, *aaren, *win, *memory, retention, shared_retention, gate, out, *new_win)
-    rc = lib.aaren_mixer_step(B, H, Hkv, D, J, DECAY[decay], rot, window, sinks, M, int(stored == torch.bfloat16),
+    rc = lib.aaren_mixer_step(B, H, Hkv, D, J, DECAYS[decay], rot, window, sinks, M, int(stored == torch.bfloat16),
                               bits or 0, int(bool(rotate)), RULE.get(rule, 0), share,
                               int(gate is not None and gate.dim() > 1), float(scale),
                               *(None if t is None else t.data_ptr() for t in tensors))

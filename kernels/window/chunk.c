@@ -134,8 +134,7 @@ int aaren_sink_scores(int B, int T, int H, int Hkv, int D, int S, int W, const f
                     const float *key = keys + ((int64_t)s * Hkv + h / G) * D;
                     v8f acc = splat8(0.0f);
                     for (int d = 0; d < D; d += 8) acc += load8(qh + d) * load8(key + d);
-                    out[(bt * H + h) * S + s] =
-                        ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+                    out[(bt * H + h) * S + s] = sum8(acc);
                 }
             }
         }
@@ -329,13 +328,13 @@ static void weights(const job *j, buffers *m, const block *k_) {
             }
             float top = -INFINITY;
             for (int e = 0; e < 8; e++) top = top8[e] > top ? top8[e] : top;
-            v8f sum8 = splat8(0.0f);
+            v8f total8 = splat8(0.0f);
             for (int64_t k = 0; k < ld; k += 8) {
                 v8f w = exp8(load8(row + k) - splat8(top));
                 store8(row + k, w);
-                sum8 += w;
+                total8 += w;
             }
-            float sum = ((sum8[0] + sum8[1]) + (sum8[2] + sum8[3])) + ((sum8[4] + sum8[5]) + (sum8[6] + sum8[7]));
+            float sum = sum8_pairs(total8);
             v8f inv = splat8(1.0f / sum);
             for (int64_t k = 0; k < ld; k += 8) store8(row + k, load8(row + k) * inv);
         }
@@ -389,7 +388,7 @@ static void backward_block(const job *j, buffers *m, int b, int h, int t0) {
         }
         v8f acc = splat8(0.0f);
         for (int64_t k = 0; k < ld; k += 8) acc += load8(p + k) * load8(ds + k);
-        float delta = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+        float delta = sum8_pairs(acc);
         for (int64_t k = 0; k < ld; k += 8) store8(ds + k, load8(p + k) * (load8(ds + k) - splat8(delta)));
     }
     memset(dS + (int64_t)nr * ld, 0, sizeof(float) * (nr_p - nr) * ld);

@@ -34,7 +34,7 @@ static inline float dot(const float *a, const float *b, int D) {
     v8f acc = {0, 0, 0, 0, 0, 0, 0, 0};
     int d = 0;
     for (; d + 8 <= D; d += 8) acc += load8(a + d) * load8(b + d);
-    float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    float s = sum8_pairs(acc);
     for (; d < D; d++) s += a[d] * b[d];
     return s;
 }
