@@ -37,13 +37,14 @@ try:  # Triton kernels on CUDA and the C kernels on CPUs, when this package is i
                                   select_backend)
     from aaren_hf.kernels.aaren import aaren_prefill_cpu
     from aaren_hf.kernels.memory import memory_evict_cpu, memory_prefill_cpu, memory_round_cpu
-    from aaren_hf.kernels.mixer import mixer_step_cpu
-    from aaren_hf.kernels.window import (rotate_cpu, sink_scores_cpu, window_attention_cpu, window_cpu_takes,
-                                         window_prefill_cpu)
+    from aaren_hf.kernels.mixer import mixer_prefill_cpu, mixer_step_cpu
+    from aaren_hf.kernels.window import (rotate_cpu, window_attention_cpu, window_cpu_takes, window_prefill_cpu,
+                                         window_queries_cpu)
 except ImportError:
     chunk_aaren, fused_recurrent_aaren = chunk_aaren_torch, recurrent_aaren_torch
-    aaren_prefill_cpu = memory_evict_cpu = memory_prefill_cpu = memory_round_cpu = mixer_step_cpu = None
-    rotate_cpu = sink_scores_cpu = window_attention_cpu = None
+    aaren_prefill_cpu = memory_evict_cpu = memory_prefill_cpu = memory_round_cpu = None
+    mixer_prefill_cpu = mixer_step_cpu = None
+    rotate_cpu = window_attention_cpu = window_queries_cpu = None
     fused_aaren_step = fused_chunk_aaren_mixed = fused_memory_round = fused_window_attention = None
     fused_window_step = window_cpu_takes = window_prefill_cpu = None
 
@@ -330,11 +331,15 @@ class Rotary:
         """x [B, T, h, D] rotated at the tokens' positions."""
         return rotate(x, self.pos, self.inv_freq, self.angles())
 
+    def back_angles(self, B: int, n: int):
+        """(cos, sin) [B, n, 1, rot] with row i at -i."""
+        return self._at(("back", B, n), lambda: -torch.arange(n, device=self.pos.device).expand(B, -1))[1]
+
     def turn_back(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, n, h, D] with row i turned back by i positions (rotated at -i)."""
         B, n = x.shape[:2]
-        back, angles = self._at(("back", B, n), lambda: -torch.arange(n, device=x.device).expand(B, -1))
-        return rotate(x, back, self.inv_freq, angles)
+        angles = self.back_angles(B, n)
+        return rotate(x, self._known[("back", B, n)][0], self.inv_freq, angles)
 
     def turn_on(self, edge: int):
         """(cos, sin) [B, T, 1, rot] at max(pos - edge, 0): a decode step turns the sink keys on by that."""
@@ -526,7 +531,20 @@ def _window_attention_fused(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink
     B, T, H, D = q.shape
     S, attend = sink_k.shape[1], _attention_dtype(q)
     in_triton = takes_triton(fused_window_attention, q)
-    qr = rotary.rotate(q).to(attend)
+    queries = None
+    if window_queries_cpu is not None and not in_triton:
+        # with the aaren_hf package, on a CPU without gradients: the queries' lines below (rotation, the sinks'
+        # scores and what each query sees of them) in one C call (kernels/window/chunk.c), equal to rounding
+        queries = window_queries_cpu(q, pos, rotary.angles(), sink_k, sink_pos,
+                                     rotary.back_angles(B, S + window) if S > 0 else None, window)
+    if queries is None:
+        qr = rotary.rotate(q).to(attend)
+        if S > 0:
+            sp = sink_pos.view(B, 1, S)
+            seen = (sp >= 0) & (sp <= pos.unsqueeze(-1) - window) & (pos >= 0).unsqueeze(-1)
+            sink_s = _sink_scores(q, pos, sink_k, window, rotary, attend).view(B, T, H, S)
+    else:
+        qr, sink_s, seen = queries
     ks, vs = (torch.cat([prev.to(attend), x.to(attend)], 1) for prev, x in ((k_prev, k), (v_prev, v)))
     spos = torch.cat([pos_prev, pos], 1)
     lists = None
@@ -537,11 +555,7 @@ def _window_attention_fused(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink
         if in_triton:  # the kernel reads any order, and as many of each list as its block needs
             nblk = -(-T // WINDOW_BLOCK)
             lists += _memory_lists(evict, last, T, nblk, WINDOW_BLOCK, width=size + WINDOW_BLOCK)
-    sinks = None
-    if S > 0:
-        sp = sink_pos.view(B, 1, S)
-        seen = (sp >= 0) & (sp <= pos.unsqueeze(-1) - window) & (pos >= 0).unsqueeze(-1)
-        sinks = (_sink_scores(q, pos, sink_k, window, rotary, attend).view(B, T, H, S), sink_v.to(attend), seen)
+    sinks = None if S == 0 else (sink_s, sink_v.to(attend), seen)
     kernel = fused_window_attention if in_triton else window_attention_cpu
     out = kernel(qr, pos, ks, vs, spos, k_prev.shape[1], window, scale, lists, sinks)
     return out.to(q.dtype)
@@ -556,12 +570,6 @@ def _sink_scores(q, qpos, sink_k, window, rotary, attend):
     S, Hkv, W = sink_k.shape[1], sink_k.shape[2], window
     arange = partial(torch.arange, device=q.device)
     turned = rotary.turn_back(sink_k.float().unsqueeze(1).expand(B, S + W, S, Hkv, D).reshape(B, S + W, S * Hkv, D))
-    if sink_scores_cpu is not None:
-        # with the aaren_hf package, on a CPU without gradients: the gather and products below in one C call
-        # (kernels/window/chunk.c), equal to rounding
-        scores = sink_scores_cpu(q, qpos, turned.view(B, S + W, S, Hkv, D))
-        if scores is not None:
-            return scores
     c = qpos.clamp(min=0, max=S + W - 1) + arange(0, B * (S + W), S + W).view(B, 1)
     sink_keys = turned.reshape(B * (S + W), S, Hkv, D).index_select(0, c.flatten()).view(B, T, S, Hkv, D)
     return torch.matmul(q.to(attend).view(B, T, Hkv, H // Hkv, D), sink_keys.to(attend).permute(0, 1, 3, 4, 2))
@@ -1030,10 +1038,12 @@ class AarenMixer(nn.Module):
         B, T, _ = x.shape
         H, D = self.num_heads, self.head_dim
         q, k, v = self.project(x)
-        if mixer_step_cpu is not None and self.steps_one_token(state, T) and not launch_bound(x.device):
-            # with the aaren_hf package: the rest of this method for a decode token in one C call (kernels/mixer),
-            # the same state and output to float rounding; the code below is its reference
-            o = self.step_in_c(x, q, k, v, mask, pos, state, shared)
+        step = self.steps_one_token(state, T)
+        if not launch_bound(x.device) and (step or (self.window > 0 and not torch.is_grad_enabled())):
+            # with the aaren_hf package: the rest of this method for a decode token, or for a prompt without
+            # gradients in a layer with a window, in one C call (kernels/mixer), the same state and output to float
+            # rounding; the code below is its reference
+            o = self.in_c(x, q, k, v, mask, pos, state, shared, step)
             if o is not None:
                 return self.o_proj(o.to(x.dtype).reshape(B, T, H * D))
 
@@ -1187,18 +1197,19 @@ class AarenMixer(nn.Module):
             pos_prev = pos.new_zeros(B, 0)
             sink_k, sink_v = k.new_zeros(B, S, Hkv, D, dtype=stored), v.new_zeros(B, S, Hkv, D, dtype=stored)
             sink_pos = pos.new_full((B, S), -1)
-        k = rotary.rotate(k)
         prefilled = None
         if window_prefill_cpu is not None:
-            # with the aaren_hf package, on a CPU without gradients: the rounding, the sinks and the window's next
-            # state below in one C call (kernels/window/prefill.c), the same bits; the code below is its reference
-            prefilled = window_prefill_cpu(k, v, pos, k_prev, v_prev, pos_prev, (sink_k, sink_v, sink_pos),
-                                           self.window, stored, state is not None,
+            # with the aaren_hf package, on a CPU without gradients: the rotation, the rounding, the sinks and the
+            # window's next state below in one C call (kernels/window/prefill.c), the same bits; the code below is
+            # its reference
+            prefilled = window_prefill_cpu(k, v, pos, rotary.angles(), k_prev, v_prev, pos_prev,
+                                           (sink_k, sink_v, sink_pos), self.window, stored, state is not None,
                                            None if state is None else state.window_score, retention)
         if prefilled is not None:
             k, v, (sink_k, sink_v, sink_pos), window = prefilled
         else:
             # every path (training, prefill, decoding) computes on the keys/values as the cache stores them
+            k = rotary.rotate(k)
             k, v = round_to_cache(k, self.kv_cache_dtype), round_to_cache(v, self.kv_cache_dtype)
             if S > 0:
                 # the first S real tokens become sinks (slot = position); keys were rotated at their own position.
@@ -1241,33 +1252,43 @@ class AarenMixer(nn.Module):
     def steps_one_token(self, state, T):
         """Whether this call is a decode step: one token, no gradient (inference), and a carried state (the general
         path leaves the window at W - 1 entries from its first call on); then :meth:`window_step` serves the window
-        branch and :meth:`step_in_c` may serve the whole call."""
+        branch and :meth:`in_c` may serve the whole call."""
         return (T == 1 and state is not None and not torch.is_grad_enabled()
                 and (not self.aaren_branch or state.aaren_o is not None)
                 and (self.window == 0 or (self.window > 1 and state.window_k is not None)))
 
-    def step_in_c(self, x, q, k, v, mask, pos, state, shared):
-        """:meth:`forward`'s decode step between the projections and ``o_proj`` as one C call (``mixer_step_cpu``),
-        or None where the kernel does not apply."""
-        L, M = self.memory_shared_layer, self.memory_size
+    def in_c(self, x, q, k, v, mask, pos, state, shared, step: bool):
+        """:meth:`forward` between the projections and ``o_proj`` as one C call: a decode step (``mixer_step_cpu``)
+        or a prompt (``mixer_prefill_cpu``); None where the kernel does not apply."""
+        kernel = mixer_step_cpu if step else mixer_prefill_cpu
+        if kernel is None or (not step and q is None):
+            return None
+        B, T = x.shape[:2]
+        L, M, S = self.memory_shared_layer, self.memory_size, self.num_sinks
         share, shared_retention = 0, None
         if M > 0 and L is not None and shared is not None and self.layer_idx >= L:
             if self.layer_idx == L:
-                share, shared_retention = 1, x.new_empty(x.shape[0], 1, 1, dtype=torch.float32)
+                share, shared_retention = 1, x.new_empty(B, T, 1, dtype=torch.float32)
             else:
                 share, shared_retention = 2, shared["retention"]
-        angles, sink_turn = self.step_angles(pos, shared) if self.window > 0 else (None, None)
         gate = None
         if self.aaren_branch and self.window > 0:
             gate = self.window_gate if hasattr(self, "window_gate") else self.gate_proj(x)
         codes = self.memory_codes
-        out = mixer_step_cpu(
-            q, k, v, pos, mask, state, queries=self.queries if self.aaren_branch else None,
-            log_decay=getattr(self, "log_decay", None), decay_in=self.decay_proj(x) if self.decay == "input" else None,
-            decay=self.decay, angles=angles, sink_turn=sink_turn, window=self.window, sinks=self.num_sinks,
-            memory_size=M, bits=codes and codes.bits, rotate=bool(codes and codes.rotate),
+        args = dict(
+            queries=self.queries if self.aaren_branch else None, log_decay=getattr(self, "log_decay", None),
+            decay_in=self.decay_proj(x) if self.decay == "input" else None, decay=self.decay, window=self.window,
+            sinks=S, memory_size=M, bits=codes and codes.bits, rotate=bool(codes and codes.rotate),
             retention=self.retention_proj(x) if M > 0 and self.memory_rule == "learned" else None,
             rule=self.memory_rule, share=share, shared_retention=shared_retention, gate=gate, scale=self.scale)
+        if step:
+            angles, sink_turn = self.step_angles(pos, shared) if self.window > 0 else (None, None)
+            out = mixer_step_cpu(q, k, v, pos, mask, state, angles=angles, sink_turn=sink_turn, **args)
+        else:
+            rotary = self.rotary(pos, shared)
+            out = mixer_prefill_cpu(q, k, v, pos, mask, state, angles=rotary.angles(),
+                                    back_angles=rotary.back_angles(B, S + self.window) if S else rotary.angles(),
+                                    stored=self.kv_cache_dtype or k.dtype, **args)
         if out is not None and share == 1:
             shared["retention"] = shared_retention
         return out
@@ -1277,7 +1298,7 @@ class AarenMixer(nn.Module):
         attention over [window, token, sinks, memory], the window shifted by one, and the entry leaving it offered to
         the memory. Same outputs (to float rounding) and the same state as the general path, which the tests check
         against this one. On a CPU with the aaren_hf package installed, ``kernels/window/step.c`` does all of it
-        inside :meth:`step_in_c`'s one call, with this method as its reference; on a GPU, one Triton launch
+        inside :meth:`in_c`'s one call, with this method as its reference; on a GPU, one Triton launch
         (``kernels/window/fused_recurrent.py``) with the state written in place."""
         B, _, Hkv, D = k.shape
         H, W, S, M = self.num_heads, self.window, self.num_sinks, self.memory_size
@@ -1360,7 +1381,7 @@ class AarenMixer(nn.Module):
 
     def step_angles(self, pos, shared: Optional[dict]):
         """((cos, sin) at the token's position, (cos, sin) of the turn of the sink keys or None), each [B, 1, 1, rot],
-        for :meth:`window_step` and :meth:`step_in_c`: the first as window_branch computes them, so that the key is
+        for :meth:`window_step` and :meth:`in_c`: the first as window_branch computes them, so that the key is
         stored bit for bit the same; once per pass for the layers that share them (:meth:`rotary`)."""
         rotary, S = self.rotary(pos, shared), self.num_sinks
         return rotary.angles(), None if S == 0 else rotary.turn_on(S + self.window - 1)

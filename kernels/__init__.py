@@ -25,9 +25,11 @@ window's bookkeeping around its attention is ``window/prefill.c`` and the memory
 ``memory/prefill.c`` (reference: ``AarenMixer.window_branch``, ``memory_candidates`` and ``keep_memory``), whose
 ranking is ``memory/evict.c`` (reference: the block sweep of ``memory_visibility``). The window's attention on a
 CPU, for training and prefill alike, forward and backward, is ``window/chunk.c`` (``window.window_attention_cpu``;
-reference: the PyTorch path of ``window_attention``), which also gives a prompt's sink scores without gradients
-(``window.sink_scores_cpu``; reference: ``_sink_scores``). ``vec8.h`` holds the 8-float vectors (and their exp and
-log) that every C file uses.
+reference: the PyTorch path of ``window_attention``), which also prepares a prompt's queries without gradients
+(``window.window_queries_cpu``: rotation, sink scores; reference: ``_window_attention_fused`` and ``_sink_scores``).
+In a layer with a window, ``mixer/prefill.c`` runs all of a prompt's parts in one call (``mixer.mixer_prefill_cpu``;
+reference: ``AarenMixer.forward``). ``vec8.h`` holds the 8-float vectors (and their exp and log) that every C file
+uses.
 """
 
 import functools

@@ -7,6 +7,7 @@ folder (installed as ``aaren_hf.kernels``) shadows the Hugging Face ``kernels`` 
 probes by importing it; that import goes back into ``aaren_hf`` and fails if ``transformers`` is only half imported.
 """
 
+import itertools
 import math
 
 import pytest
@@ -302,9 +303,10 @@ def recording(fn, ran: list):
     return wrapper
 
 
-def kernel_beside_reference(mixer, x, mask, pos, monkeypatch, name, prompt=3, rounded=(), tol=1e-5):
-    """Feed ``mixer`` the same tokens twice, a prompt of ``prompt`` tokens and then one token per call: once with the
-    C decode step ``aaren_hf.modeling_aaren.<name>`` and once with it set to None (the PyTorch reference). After
+def kernel_beside_reference(mixer, x, mask, pos, monkeypatch, name, prompt=3, rounded=(), tol=1e-5, pieces=None):
+    """Feed ``mixer`` the same tokens twice, a prompt of ``prompt`` tokens and then one token per call (or pieces of
+    the lengths ``pieces``): once with the C call ``aaren_hf.modeling_aaren.<name>`` and once with it set to None
+    (what runs without it). After
     each call: the outputs equal to float32 rounding (``tol`` of the largest: 1e-5; a wrong key or weight moves them by
     far more), the state tensors the same names and dtypes, equal bit for bit, or to rounding for the names in
     ``rounded``. Asserts that the kernel served a call; returns the kernel side's final state."""
@@ -319,7 +321,8 @@ def kernel_beside_reference(mixer, x, mask, pos, monkeypatch, name, prompt=3, ro
         return out
 
     with_kernel, reference = AarenLayerState(), AarenLayerState()
-    for t in [slice(0, prompt)] + [slice(i, i + 1) for i in range(prompt, x.shape[1])]:
+    starts = [0, prompt, *range(prompt + 1, x.shape[1] + 1)] if pieces is None else [0, *itertools.accumulate(pieces)]
+    for t in [slice(a, b) for a, b in zip(starts, starts[1:])]:
         with torch.no_grad():
             monkeypatch.setattr(modeling, name, counted)
             got = mixer(x[:, t], mask[:, t], pos[:, t], with_kernel)

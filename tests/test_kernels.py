@@ -567,33 +567,42 @@ def test_aaren_prefill_cpu_is_the_decode_step_bit_for_bit(decay, H, Hkv, J, D):
 
 
 @pytest.mark.parametrize("case", ["window_sinks_gate_input", "partial_rotary", "gqa_slots_window"])
-def test_sink_scores_cpu_equals_its_reference(case, monkeypatch):
-    """The sinks' scores of a prompt in C (kernels/window/chunk.c, aaren_sink_scores) against _sink_scores'
-    PyTorch gather and matmul: queries at padding (-1), inside the first S + W positions and beyond, two rows,
-    an odd length, queries and positions that are slices of longer tensors (as a second piece of a prompt is); to
-    float rounding. With gradients wanted the C call declines and autograd's path runs."""
-    import aaren_hf.modeling_aaren as modeling
+def test_window_queries_cpu_equals_its_reference(case):
+    """A prompt's queries in C (kernels/window/chunk.c, aaren_window_queries) against the PyTorch lines of
+    _window_attention_fused: the rotated queries bit for bit, the sinks' scores (_sink_scores' gather and matmul) to
+    float rounding, what each query sees of the sinks exactly. Queries at padding (-1), inside the first S + W
+    positions and beyond, a sink not yet filled, two rows, an odd length, queries and positions that are slices of
+    longer tensors (as a second piece of a prompt is), bfloat16 sink keys (a bfloat16 cache). With gradients wanted
+    the C call declines and autograd's path runs."""
+    from aaren_hf.kernels.window import window_queries_cpu
     from aaren_hf.modeling_aaren import Rotary, _sink_scores
     from helpers import MIXER_CASES, tiny_model
 
     mixer = tiny_model(**MIXER_CASES[case]).model.layers[0].mixer
     g = torch.Generator().manual_seed(3)
     B, T, H, Hkv, D, S, W = 2, 19, mixer.num_heads, mixer.num_kv_heads, mixer.head_dim, mixer.num_sinks, mixer.window
-    q, sink_k = torch.randn(B, T + 4, H, D, generator=g)[:, 4:], torch.randn(B, S, Hkv, D, generator=g) * 4.0
+    assert S > 0
+    q = torch.randn(B, T + 4, H, D, generator=g)[:, 4:]
+    sink_k = (torch.randn(B, S, Hkv, D, generator=g) * 4.0).bfloat16()
+    sink_pos = torch.arange(S).expand(B, S).clone()
+    sink_pos[1, -1] = -1  # not filled yet: never seen
     pos = torch.stack([torch.arange(T + 4) - 6, torch.arange(T + 4) * 3 + 40])[:, 4:]
     assert not q.is_contiguous() and not pos.is_contiguous()
     rotary = Rotary(pos, mixer.rope_inv_freq)
     with torch.no_grad():
-        got = _sink_scores(q, pos, sink_k, W, rotary, torch.float32)
-        monkeypatch.setattr(modeling, "sink_scores_cpu", None)
-        want = _sink_scores(q, pos, sink_k, W, rotary, torch.float32)
-    monkeypatch.undo()
-    if modeling.sink_scores_cpu is None or modeling.sink_scores_cpu(q, pos, torch.zeros(B, S + W, S, Hkv, D)) is None:
-        pytest.skip("no C compiler")
-    assert got.shape == want.shape == (B, T, Hkv, H // Hkv, S)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        got = window_queries_cpu(q, pos, rotary.angles(), sink_k, sink_pos, rotary.back_angles(B, S + W), W)
+        if got is None:
+            pytest.skip("no C compiler")
+        want_q = rotary.rotate(q.contiguous())
+        want_s = _sink_scores(q, pos, sink_k, W, rotary, torch.float32).view(B, T, H, S)
+    sp = sink_pos.view(B, 1, S)
+    want_seen = (sp >= 0) & (sp <= pos.unsqueeze(-1) - W) & (pos >= 0).unsqueeze(-1)
+    qr, scores, seen = got
+    assert torch.equal(qr, want_q) and not torch.equal(qr, q)
+    torch.testing.assert_close(scores, want_s, rtol=1e-5, atol=1e-5)
+    assert torch.equal(seen.bool(), want_seen) and want_seen.any() and not want_seen.all()
     q.requires_grad_()
-    assert modeling.sink_scores_cpu(q, pos, torch.zeros(B, S + W, S, Hkv, D)) is None
+    assert window_queries_cpu(q, pos, rotary.angles(), sink_k, sink_pos, rotary.back_angles(B, S + W), W) is None
     _sink_scores(q, pos, sink_k, W, rotary, torch.float32).sum().backward()
     assert q.grad is not None and q.grad.abs().sum() > 0
 

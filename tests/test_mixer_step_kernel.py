@@ -1,7 +1,8 @@
 """The C decode step of a mixer layer (kernels/mixer: aaren/step.c and window/step.c in one call) against its
 reference, the PyTorch decode path of AarenMixer.forward: the same output to float rounding and, after every step, the
 same state: the Aaren state to float rounding (expf/logf and dot products in another order), everything else (window,
-sinks, memory slots in the same order) bit for bit."""
+sinks, memory slots in the same order) bit for bit. And a prompt's one call (kernels/mixer/prefill.c) against the
+calls it replaces."""
 
 import shutil
 
@@ -58,13 +59,37 @@ def test_kernel_step_equals_pytorch_step(case, kv_cache_dtype, monkeypatch):
             assert int(with_kernel.memory_pos.max()) > mixer.num_sinks + mixer.window + mixer.memory_size
 
 
-@pytest.mark.parametrize("case", ["memory_shared", "memory_aaren_gqa", "default_like_d64"])
-def test_whole_model_decodes_as_the_reference(case, monkeypatch):
-    """Through the model, where the layers hand a retention score on (``memory_shared_layer``: the later layers rank
-    by the larger of their own and layer 0's), decoded token by token with the kernel and with the PyTorch steps:
-    the same logits to float rounding and the same cache: which tokens every layer holds where (positions, the
-    memory's choices) exactly; layer 0's values bit for bit but its Aaren state; the later layers', whose inputs
-    carry layer 0's rounding, to rounding."""
+@pytest.mark.parametrize("kv_cache_dtype", [None, "bfloat16"])
+@pytest.mark.parametrize("case", WINDOW_CASES + list(STEP_CASES))
+def test_kernel_prefill_equals_the_calls_it_replaces(case, kv_cache_dtype, monkeypatch):
+    """A prompt in pieces through every mixer with a window, with its one call (``mixer_prefill_cpu``) and without
+    (the per-part kernels with PyTorch between them, which test_model.py and test_kernels.py check against the
+    reference): after every piece the same state bit for bit, the Aaren state too (the same C functions on the same
+    data), and the same output to float rounding (the gate's sigmoid is expf's). Pieces of 1 token (the first call
+    of a state, then decode steps that both sides take alike) to past the memory's size, a row that starts with
+    padding, tied retention scores; then the whole prompt without a cache. (A memory stored without codes has no C
+    prefill: the call declines there.)"""
+    import aaren_hf.modeling_aaren as modeling
+
+    model = tiny_model(**{"kv_cache_dtype": kv_cache_dtype, **MIXER_CASES.get(case, {}), **STEP_CASES.get(case, {})})
+    x, mask, pos = step_inputs(model, 48, [slice(0, 6)])
+    mixers = [layer.mixer for layer in model.model.layers
+              if layer.mixer.window > 1 and (layer.mixer.memory_size == 0 or layer.mixer.memory_codes is not None)]
+    if not mixers:
+        pytest.skip("a memory without codes in every layer with a window")
+    for mixer in mixers:
+        kernel_beside_reference(mixer, x, mask, pos, monkeypatch, "mixer_prefill_cpu", pieces=(1, 9, 1, 2, 17, 18))
+        with torch.no_grad():
+            got = mixer(x, mask, pos)
+            monkeypatch.setattr(modeling, "mixer_prefill_cpu", None)
+            want = mixer(x, mask, pos)
+            monkeypatch.undo()
+        torch.testing.assert_close(got, want, atol=1e-5 * float(want.abs().max()), rtol=1e-5)
+
+
+def whole_model_with_and_without(kernel_name, case, pieces, monkeypatch):
+    """(logits [B, pieces, V] of each piece's last token, the cache), twice: with the C call ``kernel_name`` and with
+    it set to None; ``memory_shared_layer`` 0, so the later layers rank by layer 0's scores too."""
     import aaren_hf.modeling_aaren as modeling
     from aaren_hf.modeling_aaren import AarenCache
 
@@ -72,24 +97,54 @@ def test_whole_model_decodes_as_the_reference(case, monkeypatch):
     if case == "default_like_d64":
         kwargs["memory_shared_layer"] = 0
     model = tiny_model(**kwargs)
-    ids = torch.randint(1, 60, (2, 40), generator=torch.Generator().manual_seed(2))
-    results, kernel = [], modeling.mixer_step_cpu
-    for step in (kernel, None):
-        monkeypatch.setattr(modeling, "mixer_step_cpu", step)
-        cache = AarenCache(model.config)
+    ids = torch.randint(1, 60, (2, sum(pieces)), generator=torch.Generator().manual_seed(2))
+    results, kernel = [], getattr(modeling, kernel_name)
+    for call in (kernel, None):
+        monkeypatch.setattr(modeling, kernel_name, call)
+        cache, logits, t = AarenCache(model.config), [], 0
         with torch.no_grad():
-            logits = [model(ids[:, :3], past_key_values=cache, use_cache=True).logits[:, -1]]
-            logits += [model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits[:, -1]
-                       for t in range(3, ids.shape[1])]
+            for n in pieces:
+                logits.append(model(ids[:, t:t + n], past_key_values=cache, use_cache=True).logits[:, -1])
+                t += n
         results.append((torch.stack(logits, 1), cache))
-    (got, got_cache), (want, want_cache) = results
+    monkeypatch.setattr(modeling, kernel_name, kernel)
+    return results
+
+
+@pytest.mark.parametrize("case", ["memory_shared", "memory_aaren_gqa", "default_like_d64"])
+def test_whole_model_decodes_as_the_reference(case, monkeypatch):
+    """Through the model, where the layers hand a retention score on (``memory_shared_layer``: the later layers rank
+    by the larger of their own and layer 0's), decoded token by token with the kernel and with the PyTorch steps:
+    the same logits to float rounding and the same cache: which tokens every layer holds where (positions, the
+    memory's choices) exactly; layer 0's values bit for bit but its Aaren state; the later layers', whose inputs
+    carry layer 0's rounding, to rounding."""
+    (got, got_cache), (want, want_cache) = whole_model_with_and_without("mixer_step_cpu", case, [3] + [1] * 37,
+                                                                         monkeypatch)
+    assert_same_cache(got, got_cache, want, want_cache, first_aaren_exact=False)
+
+
+@pytest.mark.parametrize("case", ["memory_int8", "int8_d64", "default_like_d64"])
+def test_whole_model_prefills_as_the_calls_it_replaces(case, monkeypatch):
+    """The same through the model for prompts in pieces (and decode steps between), with the mixer's one call for a
+    prompt and without it: the same logits to float rounding, the same positions everywhere, layer 0's state bit for
+    bit and the later layers' to rounding (their inputs carry layer 0's gate, whose sigmoid is expf's)."""
+    (got, got_cache), (want, want_cache) = whole_model_with_and_without("mixer_prefill_cpu", case,
+                                                                         [5, 9, 1, 1, 17, 2, 9], monkeypatch)
+    assert_same_cache(got, got_cache, want, want_cache, first_aaren_exact=True)
+
+
+def assert_same_cache(got, got_cache, want, want_cache, first_aaren_exact: bool):
     torch.testing.assert_close(got, want, atol=1e-4 * float(want.abs().max()), rtol=1e-4)
     for layer, (mine, theirs) in enumerate(zip(got_cache.layers, want_cache.layers)):
         a, b = mine.tensors(), theirs.tensors()
         assert a.keys() == b.keys()
         for key in a:
-            if key.endswith("_pos") or (layer == 0 and key not in ROUNDED):
+            if key.endswith("_pos") or (layer == 0 and (key not in ROUNDED or first_aaren_exact)):
                 assert torch.equal(a[key], b[key]), f"layer {layer}: {key}"
+            elif key.endswith("_score"):  # on the 1/64 grid: a score within rounding of a grid line may take the next
+                assert torch.equal(a[key].isinf(), b[key].isinf()), f"layer {layer}: {key}"
+                step = (a[key] - b[key])[b[key].isfinite()].abs()
+                assert bool((step <= 1 / 64).all()) and float((step == 0).float().mean()) > 0.9, f"layer {layer}: {key}"
             elif a[key].is_floating_point():
                 finite = b[key][b[key].isfinite()]
                 scale = max(1.0, float(finite.abs().max())) if finite.numel() else 1.0
@@ -109,7 +164,7 @@ def declines(model, dtype=torch.float32) -> bool:
         q, k, v = (None if t is None else t.to(dtype) for t in mixer.project(x[:, 6:]))
         before = {n: t.clone() for n, t in state.tensors().items()}
         assert mixer.steps_one_token(state, 1)
-        out = mixer.step_in_c(x[:, 6:], q, k, v, torch.ones(1, 1, dtype=torch.bool), torch.tensor([[6]]), state, {})
+        out = mixer.in_c(x[:, 6:], q, k, v, torch.ones(1, 1, dtype=torch.bool), torch.tensor([[6]]), state, {}, True)
     if out is None:
         assert state.tensors().keys() == before.keys()
         assert all(torch.equal(t, before[n]) for n, t in state.tensors().items())

@@ -114,6 +114,7 @@ def test_decode_step_equals_general_path(case, kv_cache_dtype, monkeypatch):
     # the PyTorch steps and prompt scan, whose Aaren state is the general path's bit for bit (the C kernels' is to
     # float rounding: test_mixer_step_kernel.py, test_kernels.py)
     monkeypatch.setattr(modeling, "mixer_step_cpu", None)
+    monkeypatch.setattr(modeling, "mixer_prefill_cpu", None)
     monkeypatch.setattr(modeling, "aaren_prefill_cpu", None)
     # attention outputs laid out as CUDA's fused kernels return them ([N, h, L, D] strided as [N, L, h, D]): the
     # steps must not assume a contiguous output (a view did, and failed on every GPU for GQA models with a window)
@@ -437,6 +438,8 @@ def test_prompt_branch_in_c_equals_the_chunked_scan(case, monkeypatch):
     scan, ran = modeling.aaren_prefill_cpu, []
     if scan is None:
         pytest.skip("aaren_hf.kernels is not importable")
+    # a layer with a window would take the mixer's one call (the same C scan: tests/test_mixer_step_kernel.py)
+    monkeypatch.setattr(modeling, "mixer_prefill_cpu", None)
     monkeypatch.setattr(modeling, "aaren_prefill_cpu", recording(scan, ran))
     model = tiny_model(**MIXER_CASES[case])
     ids, mask = random_ids(2, 21), torch.ones(2, 21, dtype=torch.long)
@@ -474,6 +477,8 @@ def test_window_attention_in_c_equals_the_pytorch_path(case, dtype, monkeypatch)
     kernel, attention, ran = modeling.window_attention_cpu, modeling.window_attention, []
     if kernel is None:
         pytest.skip("aaren_hf.kernels is not importable")
+    # the prompt would take the mixer's one call (the same C kernel: tests/test_mixer_step_kernel.py)
+    monkeypatch.setattr(modeling, "mixer_prefill_cpu", None)
     counted = recording(kernel, ran)
 
     def close(got, want):
@@ -1095,7 +1100,9 @@ def test_a_prompts_window_branch_in_c_is_the_references_bit_for_bit(case, monkey
     (kernels/window/prefill.c) and, for a memory held in codes, memory_candidates and keep_memory
     (kernels/memory/prefill.c), against the PyTorch reference: the logits, and every state tensor after each piece,
     the same bits. Pieces from 1 token (fewer than the window holds) to past the memory's size, later ones
-    starting from a held window and memory; a left-padded row; scores with ties (few distinct values)."""
+    starting from a held window and memory; a left-padded row; scores with ties (few distinct values). The mixer's
+    one call for a prompt (kernels/mixer) is off: it runs these kernels too (tests/test_mixer_step_kernel.py)."""
+    monkeypatch.setattr(modeling, "mixer_prefill_cpu", None)
     model = tiny_model(**MIXER_CASES[case])
     for layer in model.model.layers:
         if hasattr(layer.mixer, "retention_proj"):  # scores on a coarse grid: many ties

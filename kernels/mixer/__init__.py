@@ -1,4 +1,5 @@
-"""A mixer layer's one-token decode step on a CPU as one C call, for ``AarenMixer.forward``.
+"""A mixer layer on a CPU as one C call, for ``AarenMixer.forward``: a decode token (``mixer_step_cpu``) and, for a
+layer with a window, a prompt without gradients (``mixer_prefill_cpu``).
 
 ``step.c`` composes the two branch kernels, compiled with it into one library (``kernels/cbuild.py``):
 ``aaren/step.c`` (the Aaren branch: slot scores, the slots' mix, the decay, the scan's step) and ``window/step.c``
@@ -8,8 +9,13 @@ decode paths of ``aaren_output`` and ``window_step``; what a checkpoint's own co
 leaves the same state: the Aaren state to float rounding (exp and log by polynomials, products in another order), the
 rest bit for bit (window, sinks, the memory's choices and codes; with ``memory_rule="aaren"`` the ranking reads the
 kernel's slot scores, so a score within rounding of a 1/64 grid line could rank otherwise); and the same output to
-float rounding (tests/test_mixer_step_kernel.py). Without a compiler, or with ``AAREN_BACKEND=torch`` (or
-``naive``), ``mixer_step_cpu`` returns None and the mixer runs the reference.
+float rounding (tests/test_mixer_step_kernel.py).
+
+``prefill.c`` does the same for a prompt with the prompt's kernels (``aaren/step.c``'s prefill, ``window/prefill.c``,
+``memory/prefill.c``, ``window/chunk.c``): the calls ``AarenMixer.forward`` otherwise makes one by one, in one, so the
+same state bit for bit and the output to float rounding (the gate's sigmoid); tests/test_mixer_step_kernel.py too.
+Without a compiler, or with ``AAREN_BACKEND=torch`` (or ``naive``), both return None and the mixer runs the
+reference.
 """
 
 from __future__ import annotations
@@ -23,18 +29,22 @@ from ..aaren import DECAYS
 from ..cbuild import dense, load
 from ..state import writable
 
-__all__ = ["mixer_step_cpu", "library"]
+__all__ = ["mixer_prefill_cpu", "mixer_step_cpu", "library"]
 
 KERNELS = Path(__file__).parent.parent
-SOURCES = (KERNELS / "aaren" / "step.c", KERNELS / "window" / "step.c", KERNELS / "mixer" / "step.c")
-HEADERS = (KERNELS / "memory" / "codes.h", KERNELS / "vec8.h")  # the memory's codes, which window/step.c uses
-SIGNATURES = {"aaren_mixer_step": (ctypes.c_int, [ctypes.c_int] * 16 + [ctypes.c_float] + [ctypes.c_void_p] * 37)}
+SOURCES = tuple(KERNELS / name for name in (
+    "aaren/step.c", "window/step.c", "window/rotate.c", "window/prefill.c", "window/chunk.c", "memory/evict.c",
+    "memory/codes.c", "memory/prefill.c", "mixer/step.c", "mixer/prefill.c"))
+HEADERS = (KERNELS / "memory" / "codes.h", KERNELS / "vec8.h")  # the memory's codes; the 8-float vectors
+SIGNATURES = {"aaren_mixer_step": (ctypes.c_int, [ctypes.c_int] * 16 + [ctypes.c_float] + [ctypes.c_void_p] * 37),
+              "aaren_mixer_prefill": (ctypes.c_int, [ctypes.c_int] * 21 + [ctypes.c_float] + [ctypes.c_void_p] * 46)}
 RULE = {"learned": 1, "aaren": 2}
+MEMORY_PARTS = ("k", "v", "k_scale", "v_scale", "pos", "score")  # the state's memory_* tensors, in the calls' order
 
 
 def library():
-    """The compiled step (ctypes), built on first use; None when disabled or when no compiler can build it."""
-    return load("mixer_step", SOURCES, SIGNATURES, "the PyTorch steps, about half as fast", HEADERS)
+    """The compiled calls (ctypes), built on first use; None when disabled or when no compiler can build them."""
+    return load("mixer", SOURCES, SIGNATURES, "the PyTorch steps, about half as fast", HEADERS)
 
 
 def _float32_cpu(*tensors) -> bool:
@@ -109,4 +119,84 @@ def mixer_step_cpu(q, k, v, pos, mask, state, *, queries, log_decay, decay_in, d
         return None
     if rc != 0:
         raise RuntimeError(f"aaren_mixer_step failed ({rc}) for B={B} H={H} Hkv={Hkv} D={D} J={J} W={window} M={M}")
+    return out
+
+
+def mixer_prefill_cpu(q, k, v, pos, mask, state, *, queries, log_decay, decay_in, decay, angles, back_angles, window,
+                      sinks, memory_size, bits, rotate, retention, rule, share, shared_retention, gate, scale, stored):
+    """``AarenMixer.forward`` over a prompt between its projections and ``o_proj``, for a layer with a window,
+    without gradients: q [B, T, H, D], k and v [B, T, Hkv, D] float32 before rotary, pos [B, T] int64 (-1: padding),
+    mask [B, T] bool. ``state``: the layer's (None: no cache), continued from and left updated (new tensors).
+
+    Aaren branch (``queries`` [H, J, D], None without one): ``log_decay`` [H, J] or None, ``decay_in`` [B, T, H*J]
+    (``decay_proj(x)``) with input decay. ``angles``: (cos, sin) [B, T, 1, rot] at the tokens' positions,
+    ``back_angles`` the same [B, S + window, 1, rot] at 0, -1, ... (``Rotary``). Memory (``memory_size`` > 0, of
+    ``bits``-bit codes): ``retention`` [B, T, Hkv] (``retention_proj(x)``) with ``rule`` "learned"; ``share`` 1
+    writes this layer's best score to ``shared_retention`` [B, T, 1], 2 ranks by the larger of its own and that
+    one. ``gate``: the window gate's logits, [H] or [B, T, H]. ``stored``: the cache's dtype (float32 or bfloat16).
+
+    Returns the mixed output [B, T, H, D] float32; None, touching nothing, where the kernel does not apply: gradients
+    wanted, not CPU float32, a float16 cache, a memory without codes, a head size or grouping beyond the kernels'.
+    """
+    B, T, Hkv, D = k.shape
+    H, S, M = q.shape[2], sinks, memory_size
+    J = 0 if queries is None else queries.shape[1]
+    continuing = state is not None and state.window_k is not None
+    memory = None if not continuing or M == 0 or state.memory_k is None else [
+        getattr(state, "memory_" + name) for name in MEMORY_PARTS]
+    code = torch.uint8 if bits == 4 else torch.int8
+    if (torch.is_grad_enabled() or mask.dtype != torch.bool or pos.dtype != torch.int64 or window < 2
+            or stored not in (torch.float32, torch.bfloat16) or H % Hkv or (M > 0 and bits not in (4, 8))
+            or not _float32_cpu(q, k, v, queries, log_decay, decay_in, retention, gate, *angles, *back_angles)
+            or (continuing and (state.window_k.dtype != stored or state.sink_k.dtype != stored
+                          or (J and state.aaren_o is None) or (M > 0 and state.window_score is None)))
+            or (memory is not None and (memory[0].dtype != code or memory[1].dtype != code))):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    Wp, Wn = (state.window_k.shape[1] if continuing else 0), window - 1
+    if continuing:
+        win = [state.window_k, state.window_v, state.window_pos, state.window_score if M > 0 else None]
+        old_sinks = [state.sink_k, state.sink_v, state.sink_pos]
+    else:
+        win = [None] * 4
+        old_sinks = [torch.zeros(B, S, Hkv, D, dtype=stored), torch.zeros(B, S, Hkv, D, dtype=stored),
+                     torch.full((B, S), -1, dtype=torch.int64)]
+    carried = [None, None] if not J or state is None or state.aaren_o is None else [state.aaren_o, state.aaren_lse]
+    # held here until the call returns: a contiguous copy made on the way would otherwise be freed before it
+    ins = [None if t is None else dense(t) for t in (
+        q, k, v, pos, mask.view(torch.uint8), queries, log_decay if DECAYS[decay] else None,
+        decay_in if DECAYS[decay] == 2 else None, *carried, *angles, *(t[0] for t in back_angles), *win, *old_sinks,
+        *(memory or [None] * 6), retention, shared_retention, gate)]
+    keep = state is not None
+    out = torch.empty(B, T, H, D)
+    new = [torch.empty(B, H * J, D), torch.empty(B, H * J)] if keep and J else [None, None]
+    new += [torch.empty(B, S, Hkv, D, dtype=stored), torch.empty(B, S, Hkv, D, dtype=stored),
+            torch.empty(B, S, dtype=torch.int64)]
+    new += [torch.empty(B, Wn, Hkv, D, dtype=stored), torch.empty(B, Wn, Hkv, D, dtype=stored),
+            torch.empty(B, Wn, dtype=torch.int64), torch.empty(B, Wn, Hkv) if M > 0 else None] if keep else [None] * 4
+    width = D // 2 if bits == 4 else D
+    new += [torch.empty(B, Hkv, M, width, dtype=code), torch.empty(B, Hkv, M, width, dtype=code),
+            torch.empty(B, Hkv, M, 1, dtype=torch.bfloat16), torch.empty(B, Hkv, M, 1, dtype=torch.bfloat16),
+            torch.empty(B, Hkv, M, dtype=torch.int64), torch.empty(B, Hkv, M)] if keep and M > 0 else [None] * 6
+    rc = lib.aaren_mixer_prefill(
+        B, T, H, Hkv, D, J, DECAYS[decay], angles[0].shape[-1], window, S, M, Wp, M if memory else 0,
+        int(stored == torch.bfloat16), bits or 0, int(bool(rotate)), RULE.get(rule, 0), share,
+        int(gate is not None and gate.dim() > 1), int(keep), torch.get_num_threads(), float(scale),
+        *(None if t is None else t.data_ptr() for t in ins + [out] + new))
+    if rc == 1:  # a shape a part does not take
+        return None
+    if rc != 0:
+        raise RuntimeError(f"aaren_mixer_prefill failed ({rc}) for B={B} T={T} H={H} Hkv={Hkv} D={D} J={J} "
+                           f"W={window} M={M}")
+    if keep:
+        if J:
+            state.aaren_o, state.aaren_lse = new[:2]
+        state.sink_k, state.sink_v, state.sink_pos = new[2:5]
+        state.window_k, state.window_v, state.window_pos = new[5:8]
+        if M > 0:
+            state.window_score = new[8]
+            for name, t in zip(MEMORY_PARTS, new[9:]):
+                setattr(state, "memory_" + name, t)
     return out

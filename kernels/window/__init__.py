@@ -5,8 +5,9 @@ reference ``rotate_by``, bit for bit); its one-token decode step (reference: ``A
 Triton for a GPU (``fused_recurrent.py``) and in C for a CPU (``step.c``, the same algorithm), the C one compiled
 with the Aaren branch's into the mixer's one call per layer (``kernels/mixer``); and a prompt's bookkeeping around
 the attention without gradients on a CPU (``prefill.c``, ``window_prefill_cpu``: rounding, sinks, the window's next
-state), whose reference is ``AarenMixer.window_branch``, bit for bit, and the sinks' scores (``chunk.c``,
-``sink_scores_cpu``: reference ``_sink_scores``, to float rounding)."""
+state), whose reference is ``AarenMixer.window_branch``, bit for bit, and the queries' side of the attention
+(``chunk.c``, ``window_queries_cpu``: rotation, the sinks' scores and what each query sees of them; reference
+``_window_attention_fused``'s PyTorch lines and ``_sink_scores``, to float rounding)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 
 from ..cbuild import dense, load
 
-__all__ = ["rotate_cpu", "sink_scores_cpu", "window_attention_cpu", "window_cpu_takes", "window_prefill_cpu"]
+__all__ = ["rotate_cpu", "window_attention_cpu", "window_cpu_takes", "window_prefill_cpu", "window_queries_cpu"]
 
 KERNELS = Path(__file__).parent.parent
 SOURCES = tuple(Path(__file__).parent / name for name in ("chunk.c", "rotate.c", "prefill.c"))
@@ -29,8 +30,8 @@ SIGNATURES = {"aaren_window_attention_takes": (ctypes.c_int, [ctypes.c_int] * 3)
               "aaren_window_attention": (ctypes.c_int, _ARGS + [ctypes.c_void_p]),
               "aaren_window_attention_backward": (ctypes.c_int, _ARGS + [ctypes.c_void_p] * 8),
               "aaren_rotate": (ctypes.c_int, [ctypes.c_int64] + [ctypes.c_int] * 3 + [ctypes.c_void_p] * 4),
-              "aaren_window_prefill": (ctypes.c_int, [ctypes.c_int] * 9 + [ctypes.c_void_p] * 17),
-              "aaren_sink_scores": (ctypes.c_int, [ctypes.c_int] * 7 + [ctypes.c_void_p] * 4)}
+              "aaren_window_prefill": (ctypes.c_int, [ctypes.c_int] * 10 + [ctypes.c_void_p] * 19),
+              "aaren_window_queries": (ctypes.c_int, [ctypes.c_int] * 8 + [ctypes.c_void_p] * 11)}
 
 
 def _library():
@@ -56,31 +57,40 @@ def rotate_cpu(x, cos, sin):
     return out
 
 
-def sink_scores_cpu(q, qpos, turned):
-    """``_sink_scores`` (modeling_aaren.py) after its rotation, without gradients, to float rounding: q [B, T, H, D]
-    float32 (not rotated), qpos [B, T], turned [B, S + W, S, Hkv, D] the sink keys turned back by each distance;
-    returns [B, T, Hkv, G, S] float32. None where it does not apply (gradients wanted, not on a CPU, other dtypes,
+def window_queries_cpu(q, qpos, angles, sink_k, sink_pos, back_angles, window: int):
+    """A prompt's queries as ``window_attention_cpu`` takes them, without gradients: (q rotated at its position, the
+    rotate_cpu bits; the sinks' scores [B, T, H, S] float32, ``_sink_scores``' to float rounding; what each query sees
+    of the sinks [B, T, S] uint8), the PyTorch lines of ``_window_attention_fused`` (modeling_aaren.py) in one call.
+    q [B, T, H, D] float32 (not rotated) at qpos [B, T]; ``angles``: (cos, sin) [B, T, 1, rot] at the queries'
+    positions; sink_k [B, S, Hkv, D], sink_pos [B, S]; ``back_angles``: (cos, sin) [B, S + window, 1, rot], row i at
+    -i (None without sinks). None where it does not apply (gradients wanted, not on a CPU, other dtypes or widths,
     no compiler)."""
-    if (torch.is_grad_enabled() and (q.requires_grad or turned.requires_grad)) or any(
-            t.device.type != "cpu" or t.dtype != torch.float32 for t in (q, turned)) or qpos.dtype != torch.int64:
+    B, T, H, D = q.shape
+    S, Hkv = sink_k.shape[1], sink_k.shape[2]
+    if back_angles is None:
+        back_angles = angles if S == 0 else None
+    if (back_angles is None or (torch.is_grad_enabled() and (q.requires_grad or sink_k.requires_grad))
+            or any(t.device.type != "cpu" for t in (q, sink_k, *angles, *back_angles))
+            or any(t.dtype != torch.float32 for t in (q, *angles, *back_angles)) or qpos.dtype != torch.int64):
         return None
     lib = _library()
     if lib is None:
         return None
-    B, T, H, D = q.shape
-    SW, S, Hkv = turned.shape[1:4]
+    rot = angles[0].shape[-1]
     # held until the call returns: a contiguous copy made inside the call's arguments would be freed before it runs
-    ins = [dense(t.detach()) for t in (q, qpos, turned)]
-    out = torch.empty(B, T, Hkv, H // Hkv, S)
-    if lib.aaren_sink_scores(B, T, H, Hkv, D, S, SW - S, *(t.data_ptr() for t in ins), out.data_ptr()) != 0:
+    ins = [dense(t.detach()) for t in (q, qpos, *angles, sink_k.float(), sink_pos)]
+    ins += [dense(t[0]) for t in back_angles]  # the same rows in every sequence
+    qr, scores, seen = torch.empty(q.shape), torch.empty(B, T, H, S), torch.empty(B, T, S, dtype=torch.uint8)
+    if lib.aaren_window_queries(B, T, H, Hkv, D, S, window, rot, *(t.data_ptr() for t in ins + [qr, scores, seen])):
         return None
-    return out
+    return qr, scores, seen
 
 
-def window_prefill_cpu(k, v, pos, k_prev, v_prev, pos_prev, sinks, window: int, stored: torch.dtype, keep: bool,
-                       score_prev=None, retention=None):
-    """``AarenMixer.window_branch`` around its attention, without gradients: k (rotated), v [B, T, Hkv, D] float32
-    rounded to the cache (``stored``: bfloat16, or float32 for none); ``sinks`` (sink_k, sink_v [B, S, Hkv, D],
+def window_prefill_cpu(k, v, pos, angles, k_prev, v_prev, pos_prev, sinks, window: int, stored: torch.dtype,
+                       keep: bool, score_prev=None, retention=None):
+    """``AarenMixer.window_branch`` around its attention, without gradients: k (not rotated), v [B, T, Hkv, D]
+    float32, k rotated by ``angles`` ((cos, sin) [B, T, 1, rot] float32, ``rotate_cpu``'s bits), both rounded to the
+    cache (``stored``: bfloat16, or float32 for none); ``sinks`` (sink_k, sink_v [B, S, Hkv, D],
     sink_pos [B, S]) updated with this call's tokens into new tensors; with ``keep`` the window the next call
     continues from. The window held: k_prev, v_prev [B, Wp, Hkv, D] in ``stored``, pos_prev [B, Wp]; with a memory,
     score_prev [B, Wp, Hkv] and retention [B, T, Hkv]. Returns (k, v, (sink_k, sink_v, sink_pos), {"k", "v", "pos",
@@ -89,10 +99,10 @@ def window_prefill_cpu(k, v, pos, k_prev, v_prev, pos_prev, sinks, window: int, 
     if retention is None:
         score_prev = None
     scores = [t for t in (score_prev, retention) if t is not None]
-    tensors = (k, v, k_prev, v_prev, *sinks[:2], *scores)
+    tensors = (k, v, *angles, k_prev, v_prev, *sinks[:2], *scores)
     if ((retention is not None and score_prev is None and k_prev.shape[1] > 0)  # a held window without its scores
-            or torch.is_grad_enabled() or any(t.device.type != "cpu" for t in tensors) or k.dtype != torch.float32
-            or v.dtype != torch.float32 or stored not in (torch.float32, torch.bfloat16)
+            or torch.is_grad_enabled() or any(t.device.type != "cpu" for t in tensors)
+            or any(t.dtype != torch.float32 for t in (k, v, *angles)) or stored not in (torch.float32, torch.bfloat16)
             or any(t.dtype != stored for t in (k_prev, v_prev, *sinks[:2]))
             or any(t.dtype != torch.float32 for t in scores) or pos.dtype != torch.int64):
         return None
@@ -108,11 +118,11 @@ def window_prefill_cpu(k, v, pos, k_prev, v_prev, pos_prev, sinks, window: int, 
         state = {"k": torch.empty(B, Wn, Hkv, D, dtype=stored), "v": torch.empty(B, Wn, Hkv, D, dtype=stored),
                  "pos": torch.empty(B, Wn, dtype=torch.int64),
                  "score": torch.empty(B, Wn, Hkv) if retention is not None else None}
-    ins = [dense(t.detach()) for t in (k, v, pos, k_prev, v_prev, pos_prev)] + [
+    ins = [dense(t.detach()) for t in (k, *angles, v, pos, k_prev, v_prev, pos_prev)] + [
         None if t is None else dense(t) for t in (score_prev, retention)]
     outs = [kr, vr, sink_k, sink_v, sink_pos] + ([None] * 4 if state is None else list(state.values()))
     rc = lib.aaren_window_prefill(B, T, Hkv, D, k_prev.shape[1], window, sink_k.shape[1],
-                                  int(stored == torch.bfloat16), int(keep),
+                                  int(stored == torch.bfloat16), int(keep), angles[0].shape[-1],
                                   *(None if t is None else t.data_ptr() for t in ins + outs))
     if rc == 1:
         return None
@@ -131,13 +141,18 @@ def _call(name, shape, tensors, P0, window, scale, *extra):
         raise RuntimeError(f"{name} failed ({rc}) for B={B} T={T} H={H} Hkv={Hkv} D={D} C={C} S={S}")
 
 
+def _forward(q, ks, vs, mk, mv, sink_s, sink_v, indices, shape, P0, window, scale):
+    qpos, spos, evict, last, seen = indices
+    out = torch.empty(q.shape)
+    _call("aaren_window_attention", shape, (q, qpos, ks, vs, spos, mk, mv, evict, last, sink_s, sink_v, seen), P0,
+          window, scale, out)
+    return out
+
+
 class _WindowAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, ks, vs, mk, mv, sink_s, sink_v, indices, shape, P0, window, scale):
-        qpos, spos, evict, last, seen = indices  # no gradients: outside autograd's inputs
-        out = torch.empty(q.shape)
-        _call("aaren_window_attention", shape, (q, qpos, ks, vs, spos, mk, mv, evict, last, sink_s, sink_v, seen),
-              P0, window, scale, out)
+        out = _forward(q, ks, vs, mk, mv, sink_s, sink_v, indices, shape, P0, window, scale)  # indices: no gradients
         ctx.save_for_backward(q, ks, vs, mk, mv, sink_s, sink_v, *indices)
         ctx.args = (shape, P0, window, scale)
         return out
@@ -183,8 +198,10 @@ def window_attention_cpu(q, qpos, ks, vs, spos, P0, window, scale, memory=None, 
         sink_s, sink_v, seen = sinks
     f32 = lambda x: dense(x.float())  # noqa: E731
     indices = (dense(qpos.long()), dense(spos.long()), dense(evict.long()), dense(last.long()),
-               dense(seen.to(torch.uint8)))
+               dense(seen.view(torch.uint8) if seen.dtype == torch.bool else seen.to(torch.uint8)))
     shape = (B, T, H, D, Hkv, Ls, mk.shape[2], sink_v.shape[1])
-    out = _WindowAttention.apply(f32(q), f32(ks), f32(vs), f32(mk), f32(mv), f32(sink_s), f32(sink_v), indices, shape,
-                                 int(P0), int(window), float(scale))
+    inputs = (f32(q), f32(ks), f32(vs), f32(mk), f32(mv), f32(sink_s), f32(sink_v))
+    # autograd's Function only where a gradient is wanted: it costs more than the call at a short prompt
+    wanted = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+    out = (_WindowAttention.apply if wanted else _forward)(*inputs, indices, shape, int(P0), int(window), float(scale))
     return out.to(q.dtype)

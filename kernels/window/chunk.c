@@ -10,7 +10,7 @@
  *
  *    window    stream row r, query i (stream row P0 + i):  P0 + i - W < r <= P0 + i  and  spos[r] >= 0
  *    memory    candidate c:                                c <= last[i] < evict[c]
- *    sinks     sink s: its score (computed outside, by autograd's ops when training, by aaren_sink_scores below for
+ *    sinks     sink s: its score (computed outside, by autograd's ops when training, by aaren_window_queries below for
  *              a prompt: the query is rotated to another position for it) where seen
  *
  * Each query's own keys (64 of the window, what the memory holds) instead of the widest block's. A float32 softmax
@@ -115,26 +115,41 @@ static inline void values(const float *P, int64_t ldp, const float *V, int D, in
     for (; d0 < D; d0 += 8) value_tile(P, ldp, V, D, k0, k1, d0, 1, O);
 }
 
-/* The sinks' scores for a prompt without gradients (the kernels take them computed, as the Triton one does):
- * out [B, T, H, S] = <q[b, t, h], turned[b, c, s, h / G]>, c = min(max(qpos, 0), S + W - 1), q [B, T, H, D] not
- * rotated and turned [B, S + W, S, Hkv, D] the sink keys turned back by each distance c a query reads them at.
- * Reference: _sink_scores in modeling_aaren.py (an index_select and a matmul), equal to rounding. */
-int aaren_sink_scores(int B, int T, int H, int Hkv, int D, int S, int W, const float *q, const int64_t *qpos,
-                      const float *turned, float *out) {
-    if (D % 8 || H % Hkv) return 1;
+/* rotate.c's, built without fused multiply-adds: rotate_cpu's bits */
+int aaren_rotate(int64_t n, int H, int D, int rot, const float *x, const float *cos, const float *sin, float *out);
+
+/* A prompt's queries as the kernels take them, without gradients (the kernels take the sinks' scores computed, as
+ * the Triton one does). Reference: _window_attention_fused and _sink_scores in modeling_aaren.py.
+ *   qr [B, T, H, D]     q rotated at its position (cos, sin [B, T, rot]), rotate_cpu's bits;
+ *   scores [B, T, H, S] <q[b, t, h], R(-c) sink_k[b, s, h / G]>, c = min(max(qpos, 0), S + W - 1): the query read
+ *                       at c, written as the sink key turned back by c (back_cos, back_sin [S + W, rot], row i at
+ *                       -i) as the reference turns it; the sums in another order than its matmul: equal to rounding;
+ *   seen [B, T, S]      sink s is seen by query t: both real, the sink outside the query's window.
+ * S may be 0 (then only qr). */
+int aaren_window_queries(int B, int T, int H, int Hkv, int D, int S, int W, int rot, const float *q,
+                         const int64_t *qpos, const float *cos, const float *sin, const float *sink_k,
+                         const int64_t *sink_pos, const float *back_cos, const float *back_sin, float *qr,
+                         float *scores, uint8_t *seen) {
+    if (D % 8 || H % Hkv || D > 512) return 1;
+    if (aaren_rotate((int64_t)B * T, H, D, rot, q, cos, sin, qr)) return 1;
     const int G = H / Hkv;
+    float turned[512];
     for (int b = 0; b < B; b++)
         for (int t = 0; t < T; t++) {
             const int64_t bt = (int64_t)b * T + t, p = qpos[bt];
             const int64_t c = p < 0 ? 0 : p > S + W - 1 ? S + W - 1 : p;
-            const float *keys = turned + ((int64_t)b * (S + W) + c) * S * Hkv * D;
-            for (int h = 0; h < H; h++) {
-                const float *qh = q + (bt * H + h) * D;
-                for (int s = 0; s < S; s++) {
-                    const float *key = keys + ((int64_t)s * Hkv + h / G) * D;
-                    v8f acc = splat8(0.0f);
-                    for (int d = 0; d < D; d += 8) acc += load8(qh + d) * load8(key + d);
-                    out[(bt * H + h) * S + s] = sum8(acc);
+            for (int s = 0; s < S; s++) {
+                const int64_t sp = sink_pos[(int64_t)b * S + s];
+                seen[bt * S + s] = sp >= 0 && p >= 0 && sp <= p - W;
+                for (int hk = 0; hk < Hkv; hk++) {
+                    aaren_rotate(1, 1, D, rot, sink_k + (((int64_t)b * S + s) * Hkv + hk) * D, back_cos + c * rot,
+                                 back_sin + c * rot, turned);
+                    for (int h = hk * G; h < (hk + 1) * G; h++) {
+                        const float *qh = q + (bt * H + h) * D;
+                        v8f acc = splat8(0.0f);
+                        for (int d = 0; d < D; d += 8) acc += load8(qh + d) * load8(turned + d);
+                        scores[(bt * H + h) * S + s] = sum8(acc);
+                    }
                 }
             }
         }

@@ -3,8 +3,8 @@
  * A prompt's window bookkeeping on a CPU without gradients, in one call: what AarenMixer.window_branch in
  * aaren_hf/modeling_aaren.py (the reference) does around its attention and memory calls, about thirty operators:
  *
- *   1. the rotated keys and the values rounded to the cache's dtype (bfloat16, or float32: unchanged), as every path
- *      computes on them;
+ *   1. the keys rotated at their positions (rotate.c's aaren_rotate, rotate_cpu's bits) and, with the values,
+ *      rounded to the cache's dtype (bfloat16, or float32: unchanged), as every path computes on them;
  *   2. the sinks: the first S real tokens (slot = position) take their slot, the others keep what they held;
  *   3. with keep, the window the next call continues from: the last W - 1 entries of the window held and this
  *      call's tokens, empty entries (zeros, position -1, score -inf) in front while fewer have come.
@@ -16,25 +16,29 @@
 
 #include "../memory/codes.h"
 
-/* k, v [B, T, Hkv, D] float32 (k rotated) -> kr, vr: rounded to bfloat16 and back when bf16. The window held:
+int aaren_rotate(int64_t n, int H, int D, int rot, const float *x, const float *cos, const float *sin, float *out);
+
+/* k, v [B, T, Hkv, D] float32 -> kr (k rotated by cos, sin [B, T, rot]), vr: rounded to bfloat16 and back when
+ * bf16. The window held:
  * k_prev, v_prev [B, Wp, Hkv, D] (bfloat16 when bf16, else float32), pos_prev [B, Wp], score_prev [B, Wp, Hkv];
  * retention [B, T, Hkv] (score_prev and retention NULL without a memory). sink_k, sink_v [B, S, Hkv, D] and
  * sink_pos [B, S] hold the sinks so far and are updated. With keep: new_k, new_v [B, W - 1, Hkv, D], new_pos
  * [B, W - 1], new_score [B, W - 1, Hkv] (with a memory). */
-int aaren_window_prefill(int B, int T, int Hkv, int D, int Wp, int W, int S, int bf16, int keep, const float *k,
-                         const float *v, const int64_t *pos, const void *k_prev, const void *v_prev,
+int aaren_window_prefill(int B, int T, int Hkv, int D, int Wp, int W, int S, int bf16, int keep, int rot,
+                         const float *k, const float *cos, const float *sin, const float *v, const int64_t *pos,
+                         const void *k_prev, const void *v_prev,
                          const int64_t *pos_prev, const float *score_prev, const float *retention, float *kr,
                          float *vr, void *sink_k, void *sink_v, int64_t *sink_pos, void *new_k, void *new_v,
                          int64_t *new_pos, float *new_score) {
     if (D < 1 || D > MAX_D) return 1;
     const int64_t HD = (int64_t)Hkv * D;
+    if (aaren_rotate((int64_t)B * T, Hkv, D, rot, k, cos, sin, kr)) return 1;
     if (bf16) {
         for (int64_t i = 0; i < (int64_t)B * T * HD; i++) {
-            kr[i] = bf16_to_float(float_to_bf16(k[i]));
+            kr[i] = bf16_to_float(float_to_bf16(kr[i]));
             vr[i] = bf16_to_float(float_to_bf16(v[i]));
         }
     } else {
-        memcpy(kr, k, sizeof(float) * (size_t)(B * T * HD));
         memcpy(vr, v, sizeof(float) * (size_t)(B * T * HD));
     }
     for (int b = 0; b < B; b++)
