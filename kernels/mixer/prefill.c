@@ -88,27 +88,27 @@ int aaren_mixer_prefill(
     const int HJ = H * J, Ls = Wp + T, C = M > 0 ? held + Ls : 0;
     const int64_t BT = (int64_t)B * T, HD = (int64_t)Hkv * D, sinks = (int64_t)B * S * HD;
     const size_t unit = bf16 ? 2 : 4;
-    /* scratch, in floats: the Aaren state when not kept, its slot scores and output, the retention scores, the
-     * rounded keys and values, the stream, the memory's candidates, the queries and their sink scores, the sinks in
-     * float32, the window's output; then evict [B, Hkv, C], last [T + 1], the stream's positions and seen */
-    const int64_t n_state = keep ? 0 : (int64_t)B * HJ * (D + 1);
+    /* scratch, one allocation each (one block of all of them passes glibc's largest mmap threshold from a few
+     * thousand tokens on, and every call then faulted its pages in afresh): the Aaren state when not kept, its slot
+     * scores and output, the retention scores, the rounded keys and values, the stream, the memory's candidates, the
+     * queries and their sink scores, the sinks in float32; evict [B, Hkv, C], last [T + 1] and the stream's
+     * positions; what each query sees of the sinks */
     const int64_t stream = (int64_t)B * Ls * HD, cands = (int64_t)B * Hkv * C * D;
-    const int64_t n_f = n_state + BT * HJ + BT * H * D + BT * Hkv + 2 * BT * HD + 2 * stream + 2 * cands +
-                        2 * BT * H * D + BT * H * S + 2 * sinks;
-    float *f = malloc(sizeof(float) * (size_t)n_f + 1);
+    enum { STATE, SCORES, OUT_A, RETENTION, KR, VR, KS, VS, CAND_K, CAND_V, QR, SINK_S, SINK_K, SINK_V, FLOATS };
+    const int64_t n[FLOATS] = {keep ? 0 : (int64_t)B * HJ * (D + 1), BT * HJ, BT * H * D, BT * Hkv, BT * HD, BT * HD,
+                               stream, stream, cands, cands, BT * H * D, BT * H * S, sinks, sinks};
+    float *f[FLOATS];
+    int ok = 1;
+    for (int i = 0; i < FLOATS; i++) ok &= (f[i] = malloc(sizeof(float) * (size_t)n[i] + 1)) != NULL;
     int64_t *ints = malloc(sizeof(int64_t) * ((size_t)B * Hkv * C + T + 1 + (size_t)B * Ls) + 1);
     uint8_t *seen = malloc((size_t)(BT * S) + 1);
-    if (!f || !ints || !seen) {
-        free(f), free(ints), free(seen);
-        return 2;
-    }
-    float *o = keep ? o_new : f, *lse = keep ? lse_new : f + (int64_t)B * HJ * D;
-    float *s = f + n_state, *out_a = s + BT * HJ, *retention = out_a + BT * H * D, *kr = retention + BT * Hkv;
-    float *vr = kr + BT * HD, *ks = vr + BT * HD, *vs = ks + stream, *cand_k = vs + stream, *cand_v = cand_k + cands;
-    float *qr = cand_v + cands, *sink_s = qr + BT * H * D, *sink_kf = sink_s + BT * H * S, *sink_vf = sink_kf + sinks;
-    float *out_w = sink_vf + sinks;
+    int rc = ok && ints && seen ? 0 : 2;
+    if (rc) goto done;
+    float *o = keep ? o_new : f[STATE], *lse = keep ? lse_new : f[STATE] + (int64_t)B * HJ * D;
+    float *s = f[SCORES], *out_a = f[OUT_A], *retention = f[RETENTION], *kr = f[KR], *vr = f[VR], *ks = f[KS];
+    float *vs = f[VS], *cand_k = f[CAND_K], *cand_v = f[CAND_V], *qr = f[QR], *sink_s = f[SINK_S];
+    float *sink_kf = f[SINK_K], *sink_vf = f[SINK_V];
     int64_t *evict = ints, *last = evict + (int64_t)B * Hkv * C, *spos = last + T + 1;
-    int rc = 0;
 
     if (J > 0) {
         if (o_in) {
@@ -175,16 +175,17 @@ int aaren_mixer_prefill(
         memcpy(spos + (int64_t)b * Ls + Wp, pos + (int64_t)b * T, sizeof(int64_t) * (size_t)T);
     }
     rc = aaren_window_attention(B, T, H, Hkv, D, Ls, Wp, W, C, S, scale, threads, qr, pos, ks, vs, spos, cand_k,
-                                cand_v, evict, last, sink_s, sink_vf, seen, J > 0 ? out_w : out);
+                                cand_v, evict, last, sink_s, sink_vf, seen, out);
     if (rc != 0 || J == 0) goto done;
-    for (int64_t bt = 0; bt < BT; bt++)
+    for (int64_t bt = 0; bt < BT; bt++) /* the window's output in out, mixed in place */
         for (int h = 0; h < H; h++) {
             const float g = gate[gate_per_token ? bt * H + h : h];
             const float w = 1.0f / (1.0f + expf(-g));
             const int64_t at = (bt * H + h) * D;
-            for (int d = 0; d < D; d++) out[at + d] = lerp(out_a[at + d], out_w[at + d], w);
+            for (int d = 0; d < D; d++) out[at + d] = lerp(out_a[at + d], out[at + d], w);
         }
 done:
-    free(f), free(ints), free(seen);
+    for (int i = 0; i < FLOATS; i++) free(f[i]);
+    free(ints), free(seen);
     return rc;
 }
