@@ -1288,7 +1288,7 @@ class AarenMixer(nn.Module):
             rotary = self.rotary(pos, shared)
             out = mixer_prefill_cpu(q, k, v, pos, mask, state, angles=rotary.angles(),
                                     back_angles=rotary.back_angles(B, S + self.window) if S else rotary.angles(),
-                                    stored=self.kv_cache_dtype or k.dtype, **args)
+                                    stored=self.kv_cache_dtype or k.dtype, pool=shared, **args)
         if out is not None and share == 1:
             shared["retention"] = shared_retention
         return out

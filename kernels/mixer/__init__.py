@@ -37,7 +37,9 @@ SOURCES = tuple(KERNELS / name for name in (
     "memory/codes.c", "memory/prefill.c", "mixer/step.c", "mixer/prefill.c"))
 HEADERS = (KERNELS / "memory" / "codes.h", KERNELS / "vec8.h")  # the memory's codes; the 8-float vectors
 SIGNATURES = {"aaren_mixer_step": (ctypes.c_int, [ctypes.c_int] * 16 + [ctypes.c_float] + [ctypes.c_void_p] * 37),
-              "aaren_mixer_prefill": (ctypes.c_int, [ctypes.c_int] * 21 + [ctypes.c_float] + [ctypes.c_void_p] * 46)}
+              "aaren_mixer_prefill": (ctypes.c_int, [ctypes.c_int] * 21 + [ctypes.c_float, ctypes.c_void_p,
+                                                                         ctypes.c_int64] + [ctypes.c_void_p] * 46),
+              "aaren_mixer_prefill_scratch": (ctypes.c_int64, [ctypes.c_int] * 11)}
 RULE = {"learned": 1, "aaren": 2}
 MEMORY_PARTS = ("k", "v", "k_scale", "v_scale", "pos", "score")  # the state's memory_* tensors, in the calls' order
 
@@ -123,7 +125,8 @@ def mixer_step_cpu(q, k, v, pos, mask, state, *, queries, log_decay, decay_in, d
 
 
 def mixer_prefill_cpu(q, k, v, pos, mask, state, *, queries, log_decay, decay_in, decay, angles, back_angles, window,
-                      sinks, memory_size, bits, rotate, retention, rule, share, shared_retention, gate, scale, stored):
+                      sinks, memory_size, bits, rotate, retention, rule, share, shared_retention, gate, scale, stored,
+                      pool=None):
     """``AarenMixer.forward`` over a prompt between its projections and ``o_proj``, for a layer with a window,
     without gradients: q [B, T, H, D], k and v [B, T, Hkv, D] float32 before rotary, pos [B, T] int64 (-1: padding),
     mask [B, T] bool. ``state``: the layer's (None: no cache), continued from and left updated (new tensors).
@@ -134,6 +137,7 @@ def mixer_prefill_cpu(q, k, v, pos, mask, state, *, queries, log_decay, decay_in
     ``bits``-bit codes): ``retention`` [B, T, Hkv] (``retention_proj(x)``) with ``rule`` "learned"; ``share`` 1
     writes this layer's best score to ``shared_retention`` [B, T, 1], 2 ranks by the larger of its own and that
     one. ``gate``: the window gate's logits, [H] or [B, T, H]. ``stored``: the cache's dtype (float32 or bfloat16).
+    ``pool``: a dict the layers of one pass share (the call keeps its scratch there, grown as needed), or None.
 
     Returns the mixed output [B, T, H, D] float32; None, touching nothing, where the kernel does not apply: gradients
     wanted, not CPU float32, a float16 cache, a memory without codes, a head size or grouping beyond the kernels'.
@@ -180,10 +184,17 @@ def mixer_prefill_cpu(q, k, v, pos, mask, state, *, queries, log_decay, decay_in
     new += [torch.empty(B, Hkv, M, width, dtype=code), torch.empty(B, Hkv, M, width, dtype=code),
             torch.empty(B, Hkv, M, 1, dtype=torch.bfloat16), torch.empty(B, Hkv, M, 1, dtype=torch.bfloat16),
             torch.empty(B, Hkv, M, dtype=torch.int64), torch.empty(B, Hkv, M)] if keep and M > 0 else [None] * 6
+    scratch = None
+    if pool is not None:  # one per pass: every layer's call would otherwise map and fault in its own
+        need = lib.aaren_mixer_prefill_scratch(B, T, H, Hkv, D, J, S, M, Wp, M if memory else 0, int(keep))
+        scratch = pool.get("scratch")
+        if scratch is None or scratch.numel() < need:
+            scratch = pool["scratch"] = torch.empty(need)
     rc = lib.aaren_mixer_prefill(
         B, T, H, Hkv, D, J, DECAYS[decay], angles[0].shape[-1], window, S, M, Wp, M if memory else 0,
         int(stored == torch.bfloat16), bits or 0, int(bool(rotate)), RULE.get(rule, 0), share,
         int(gate is not None and gate.dim() > 1), int(keep), torch.get_num_threads(), float(scale),
+        None if scratch is None else scratch.data_ptr(), 0 if scratch is None else scratch.numel(),
         *(None if t is None else t.data_ptr() for t in ins + [out] + new))
     if rc == 1:  # a shape a part does not take
         return None

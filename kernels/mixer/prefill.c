@@ -63,6 +63,28 @@ static void widen(const void *x, int bf16, int64_t n, float *out) {
     for (int64_t i = 0; i < n; i++) out[i] = bf16_to_float(((const uint16_t *)x)[i]);
 }
 
+/* The float32 scratch arrays of one call, in floats each (see aaren_mixer_prefill) */
+enum { STATE, SCORES, OUT_A, RETENTION, KR, VR, KS, VS, CAND_K, CAND_V, QR, SINK_S, SINK_K, SINK_V, FLOATS };
+
+static void scratch_sizes(int B, int T, int H, int Hkv, int D, int J, int S, int M, int Wp, int held, int keep,
+                          int64_t n[FLOATS]) {
+    const int64_t BT = (int64_t)B * T, HD = (int64_t)Hkv * D, HJ = (int64_t)H * J, Ls = (int64_t)Wp + T;
+    const int64_t C = M > 0 ? held + Ls : 0, stream = B * Ls * HD, cands = (int64_t)B * Hkv * C * D;
+    const int64_t sizes[FLOATS] = {keep ? 0 : B * HJ * (D + 1), BT * HJ, BT * H * D, BT * Hkv, BT * HD, BT * HD, stream,
+                                   stream, cands, cands, BT * H * D, BT * H * S, (int64_t)B * S * HD,
+                                   (int64_t)B * S * HD};
+    for (int i = 0; i < FLOATS; i++) n[i] = (sizes[i] + 15) / 16 * 16; /* 64-byte steps in a pool */
+}
+
+/* The floats a pool must hold to serve a call with these shapes (arguments as aaren_mixer_prefill's) */
+int64_t aaren_mixer_prefill_scratch(int B, int T, int H, int Hkv, int D, int J, int S, int M, int Wp, int held,
+                                    int keep) {
+    int64_t n[FLOATS], total = 0;
+    scratch_sizes(B, T, H, Hkv, D, J, S, M, Wp, held, keep, n);
+    for (int i = 0; i < FLOATS; i++) total += n[i];
+    return total;
+}
+
 /* The window held: win_k, win_v [B, Wp, Hkv, D] (bfloat16 when bf16), win_pos [B, Wp], win_score [B, Wp, Hkv]
  * (with a memory); the memory held: mem_* [B, Hkv, M, ...] (NULL when held is 0); the sinks: sink_* [B, S, ...].
  * Aaren state o_in [B, H J, D], lse_in [B, H J] (NULL: empty); with keep, the next state into o_new, lse_new,
@@ -73,7 +95,8 @@ static void widen(const void *x, int bf16, int64_t n, float *out) {
  * calls; nothing the caller holds was written), 2 when out of memory. */
 int aaren_mixer_prefill(
     int B, int T, int H, int Hkv, int D, int J, int decay, int rot, int W, int S, int M, int Wp, int held, int bf16,
-    int bits, int rotate, int rule, int share, int gate_per_token, int keep, int threads, float scale,
+    int bits, int rotate, int rule, int share, int gate_per_token, int keep, int threads, float scale, float *pool,
+    int64_t pool_floats,
     const float *q, const float *k, const float *v, const int64_t *pos, const uint8_t *mask,
     const float *queries, const float *log_decay, const float *decay_in, const float *o_in, const float *lse_in,
     const float *cos, const float *sin, const float *back_cos, const float *back_sin,
@@ -88,18 +111,21 @@ int aaren_mixer_prefill(
     const int HJ = H * J, Ls = Wp + T, C = M > 0 ? held + Ls : 0;
     const int64_t BT = (int64_t)B * T, HD = (int64_t)Hkv * D, sinks = (int64_t)B * S * HD;
     const size_t unit = bf16 ? 2 : 4;
-    /* scratch, one allocation each (one block of all of them passes glibc's largest mmap threshold from a few
-     * thousand tokens on, and every call then faulted its pages in afresh): the Aaren state when not kept, its slot
-     * scores and output, the retention scores, the rounded keys and values, the stream, the memory's candidates, the
-     * queries and their sink scores, the sinks in float32; evict [B, Hkv, C], last [T + 1] and the stream's
-     * positions; what each query sees of the sinks */
-    const int64_t stream = (int64_t)B * Ls * HD, cands = (int64_t)B * Hkv * C * D;
-    enum { STATE, SCORES, OUT_A, RETENTION, KR, VR, KS, VS, CAND_K, CAND_V, QR, SINK_S, SINK_K, SINK_V, FLOATS };
-    const int64_t n[FLOATS] = {keep ? 0 : (int64_t)B * HJ * (D + 1), BT * HJ, BT * H * D, BT * Hkv, BT * HD, BT * HD,
-                               stream, stream, cands, cands, BT * H * D, BT * H * S, sinks, sinks};
+    /* scratch: the Aaren state when not kept, its slot scores and output, the retention scores, the rounded keys
+     * and values, the stream, the memory's candidates, the queries and their sink scores, the sinks in float32 (in
+     * floats); evict [B, Hkv, C], last [T + 1] and the stream's positions; what each query sees of the sinks. The
+     * float arrays from the caller's pool of pool_floats (aaren_mixer_prefill_scratch) when it is large enough: the
+     * layers of one pass share one, where each layer's own allocations made a 1,000-token prompt fault its pages in
+     * afresh layer after layer; else one allocation each */
+    int64_t n[FLOATS], total = 0;
+    scratch_sizes(B, T, H, Hkv, D, J, S, M, Wp, held, keep, n);
+    for (int i = 0; i < FLOATS; i++) total += n[i];
+    const int pooled = pool != NULL && pool_floats >= total;
     float *f[FLOATS];
     int ok = 1;
-    for (int i = 0; i < FLOATS; i++) ok &= (f[i] = malloc(sizeof(float) * (size_t)n[i] + 1)) != NULL;
+    int64_t at = 0;
+    for (int i = 0; i < FLOATS; at += n[i], i++)
+        ok &= (f[i] = pooled ? pool + at : malloc(sizeof(float) * (size_t)n[i] + 1)) != NULL;
     int64_t *ints = malloc(sizeof(int64_t) * ((size_t)B * Hkv * C + T + 1 + (size_t)B * Ls) + 1);
     uint8_t *seen = malloc((size_t)(BT * S) + 1);
     int rc = ok && ints && seen ? 0 : 2;
@@ -185,7 +211,7 @@ int aaren_mixer_prefill(
             for (int d = 0; d < D; d++) out[at + d] = lerp(out_a[at + d], out[at + d], w);
         }
 done:
-    for (int i = 0; i < FLOATS; i++) free(f[i]);
+    for (int i = 0; i < FLOATS && !pooled; i++) free(f[i]);
     free(ints), free(seen);
     return rc;
 }
