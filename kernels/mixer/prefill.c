@@ -49,10 +49,10 @@ int aaren_window_attention(int B, int T, int H, int Hkv, int D, int64_t Ls, int6
                            const int64_t *evict, const int64_t *last, const float *sink_s, const float *sink_v,
                            const uint8_t *sink_seen, float *out);
 
-/* torch.lerp's formula: exact at both ends */
-static inline float lerp(float a, float b, float w) {
-    return fabsf(w) < 0.5f ? a + w * (b - a) : b - (b - a) * (1.0f - w);
-}
+/* mixer/step.c's, which the decode step uses too */
+void aaren_retention_scores(int64_t n, int Hkv, int HJ, int rule, int share, const float *retention_in,
+                            const float *s, float *shared, float *retention);
+void aaren_gate_mix(int64_t n, int H, int D, const float *gate, int per_token, const float *aaren, float *out);
 
 /* n rows of D values as float32 (from bfloat16 when bf16) */
 static void widen(const void *x, int bf16, int64_t n, float *out) {
@@ -148,30 +148,7 @@ int aaren_mixer_prefill(
                                   lse, s, out_a);
         if (rc != 0) goto done;
     }
-    if (M > 0) {
-        const int GJ = HJ / Hkv;
-        for (int64_t bt = 0; bt < BT; bt++) {
-            float best = -INFINITY;
-            for (int h = 0; h < Hkv; h++) {
-                float r;
-                if (rule == 1) {
-                    r = retention_in[bt * Hkv + h];
-                } else {
-                    r = -INFINITY;
-                    for (int j = 0; j < GJ; j++) { /* NaN propagates, as torch.amax (fmaxf would drop it) */
-                        float x = s[bt * HJ + h * GJ + j];
-                        r = (x != x || r != r) ? NAN : fmaxf(r, x);
-                    }
-                }
-                if (r != r) r = -INFINITY; /* a NaN score ranks as -inf, as round_retention has it */
-                r = rintf(r * 64.0f) / 64.0f; /* round half to even, as torch.round */
-                if (share == 2) r = fmaxf(r, shared[bt]);
-                retention[bt * Hkv + h] = r;
-                best = fmaxf(best, r);
-            }
-            if (share == 1) shared[bt] = best;
-        }
-    }
+    if (M > 0) aaren_retention_scores(BT, Hkv, HJ, rule, share, retention_in, s, shared, retention);
     /* the sinks so far, updated by this prompt's first tokens */
     memcpy(new_sink_k, sink_k, unit * (size_t)sinks);
     memcpy(new_sink_v, sink_v, unit * (size_t)sinks);
@@ -202,14 +179,7 @@ int aaren_mixer_prefill(
     }
     rc = aaren_window_attention(B, T, H, Hkv, D, Ls, Wp, W, C, S, scale, threads, qr, pos, ks, vs, spos, cand_k,
                                 cand_v, evict, last, sink_s, sink_vf, seen, out);
-    if (rc != 0 || J == 0) goto done;
-    for (int64_t bt = 0; bt < BT; bt++) /* the window's output in out, mixed in place */
-        for (int h = 0; h < H; h++) {
-            const float g = gate[gate_per_token ? bt * H + h : h];
-            const float w = 1.0f / (1.0f + expf(-g));
-            const int64_t at = (bt * H + h) * D;
-            for (int d = 0; d < D; d++) out[at + d] = lerp(out_a[at + d], out[at + d], w);
-        }
+    if (rc == 0 && J > 0) aaren_gate_mix(BT, H, D, gate, gate_per_token, out_a, out); /* the window's in out */
 done:
     for (int i = 0; i < FLOATS && !pooled; i++) free(f[i]);
     free(ints), free(seen);

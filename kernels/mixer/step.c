@@ -42,6 +42,47 @@ static inline float lerp(float a, float b, float w) {
     return fabsf(w) < 0.5f ? a + w * (b - a) : b - (b - a) * (1.0f - w);
 }
 
+/* The retention scores of n tokens (a decode step's B, a prompt's B T) into retention [n, Hkv]: retention_proj(x)
+ * as given in retention_in [n, Hkv] (rule 1) or the best of each kv head's slot scores s [n, HJ] (rule 2), on the
+ * 1/64 grid (round_retention); share 1 writes each token's best over kv heads to shared [n], 2 ranks by the larger
+ * of its own and that one (share_retention). mixer/prefill.c uses it too. */
+void aaren_retention_scores(int64_t n, int Hkv, int HJ, int rule, int share, const float *retention_in,
+                            const float *s, float *shared, float *retention) {
+    const int GJ = HJ / Hkv;
+    for (int64_t t = 0; t < n; t++) {
+        float best = -INFINITY;
+        for (int h = 0; h < Hkv; h++) {
+            float r;
+            if (rule == 1) {
+                r = retention_in[t * Hkv + h];
+            } else {
+                r = -INFINITY;
+                for (int j = 0; j < GJ; j++) { /* NaN propagates, as torch.amax (fmaxf would drop it) */
+                    float x = s[t * HJ + h * GJ + j];
+                    r = (x != x || r != r) ? NAN : fmaxf(r, x);
+                }
+            }
+            if (r != r) r = -INFINITY; /* a NaN score ranks as -inf, as round_retention has it */
+            r = rintf(r * 64.0f) / 64.0f; /* round half to even, as torch.round */
+            if (share == 2) r = fmaxf(r, shared[t]);
+            retention[t * Hkv + h] = r;
+            best = fmaxf(best, r);
+        }
+        if (share == 1) shared[t] = best;
+    }
+}
+
+/* out [n, H, D] = lerp(aaren [n, H, D], out, sigmoid(gate)) in place: gate [H], or [n, H] with per_token */
+void aaren_gate_mix(int64_t n, int H, int D, const float *gate, int per_token, const float *aaren, float *out) {
+    for (int64_t t = 0; t < n; t++)
+        for (int h = 0; h < H; h++) {
+            const float g = gate[per_token ? t * H + h : h];
+            const float w = 1.0f / (1.0f + expf(-g));
+            const int64_t at = (t * H + h) * D;
+            for (int d = 0; d < D; d++) out[at + d] = lerp(aaren[at + d], out[at + d], w);
+        }
+}
+
 /* rule: 1 retention_in [B, Hkv] is retention_proj(x), 2 the best slot score per kv head. share: 0 none, 1 this
  * layer writes its best over kv heads to shared [B], 2 this layer ranks by max(its own, shared). gate [H] per head,
  * or [B, H] with gate_per_token. Returns what a branch kernel returned when it declined (1: nothing of the state
@@ -71,43 +112,12 @@ int aaren_mixer_step(
                                lse_in, o_new, lse_new, s, W > 0 ? out_a : out);
         if (rc != 0 || W == 0) goto done;
     }
-    if (M > 0) {
-        const int GJ = HJ / Hkv;
-        for (int b = 0; b < B; b++) {
-            float best = -INFINITY;
-            for (int h = 0; h < Hkv; h++) {
-                float r;
-                if (rule == 1) {
-                    r = retention_in[b * Hkv + h];
-                } else {
-                    r = -INFINITY;
-                    for (int j = 0; j < GJ; j++) { /* NaN propagates, as torch.amax (fmaxf would drop it) */
-                        float x = s[b * HJ + h * GJ + j];
-                        r = (x != x || r != r) ? NAN : fmaxf(r, x);
-                    }
-                }
-                if (r != r) r = -INFINITY; /* a NaN score ranks as -inf, as round_retention has it */
-                r = rintf(r * 64.0f) / 64.0f; /* round half to even, as torch.round */
-                if (share == 2) r = fmaxf(r, shared[b]);
-                retention[b * Hkv + h] = r;
-                best = fmaxf(best, r);
-            }
-            if (share == 1) shared[b] = best;
-        }
-    }
+    if (M > 0) aaren_retention_scores(B, Hkv, HJ, rule, share, retention_in, s, shared, retention);
     rc = aaren_window_step(B, H, Hkv, D, rot, W, S, M, bf16, bits, rotate, scale, q, k, v, pos, cos_t, sin_t, cos_s,
                            sin_s, win_k, win_v, win_pos, win_score, sink_k, sink_v, sink_pos, mem_k, mem_v,
                            mem_k_scale, mem_v_scale, mem_pos, mem_score, retention, out, new_win_k, new_win_v,
                            new_win_pos, new_win_score);
-    if (rc != 0 || J == 0) goto done;
-    for (int b = 0; b < B; b++)
-        for (int h = 0; h < H; h++) {
-            const float g = gate[gate_per_token ? b * H + h : h];
-            const float w = 1.0f / (1.0f + expf(-g));
-            float *o = out + ((int64_t)b * H + h) * D;
-            const float *a = out_a + ((int64_t)b * H + h) * D;
-            for (int d = 0; d < D; d++) o[d] = lerp(a[d], o[d], w);
-        }
+    if (rc == 0 && J > 0) aaren_gate_mix(B, H, D, gate, gate_per_token, out_a, out);
 done:
     free(scratch);
     return rc;
