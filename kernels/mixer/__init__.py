@@ -149,9 +149,11 @@ def mixer_prefill_cpu(q, k, v, pos, mask, state, *, queries, log_decay, decay_in
     memory = None if not continuing or M == 0 or state.memory_k is None else [
         getattr(state, "memory_" + name) for name in MEMORY_PARTS]
     code = torch.uint8 if bits == 4 else torch.int8
+    carried = [None, None] if not J or state is None or state.aaren_o is None else [state.aaren_o, state.aaren_lse]
     if (torch.is_grad_enabled() or mask.dtype != torch.bool or pos.dtype != torch.int64 or window < 2
             or stored not in (torch.float32, torch.bfloat16) or H % Hkv or (M > 0 and bits not in (4, 8))
-            or not _float32_cpu(q, k, v, queries, log_decay, decay_in, retention, gate, *angles, *back_angles)
+            or not _float32_cpu(q, k, v, queries, log_decay, decay_in, retention, gate, *angles, *back_angles,
+                                *carried)
             or (continuing and (state.window_k.dtype != stored or state.sink_k.dtype != stored
                           or (J and state.aaren_o is None) or (M > 0 and state.window_score is None)))
             or (memory is not None and (memory[0].dtype != code or memory[1].dtype != code))):
@@ -167,7 +169,6 @@ def mixer_prefill_cpu(q, k, v, pos, mask, state, *, queries, log_decay, decay_in
         win = [None] * 4
         old_sinks = [torch.zeros(B, S, Hkv, D, dtype=stored), torch.zeros(B, S, Hkv, D, dtype=stored),
                      torch.full((B, S), -1, dtype=torch.int64)]
-    carried = [None, None] if not J or state is None or state.aaren_o is None else [state.aaren_o, state.aaren_lse]
     # held here until the call returns: a contiguous copy made on the way would otherwise be freed before it
     ins = [None if t is None else dense(t) for t in (
         q, k, v, pos, mask.view(torch.uint8), queries, log_decay if DECAYS[decay] else None,
