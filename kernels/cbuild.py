@@ -137,3 +137,8 @@ def load(name: str, sources: tuple, signatures: dict, instead: str, headers: tup
 
 def dense(t):
     return t if t.is_contiguous() else t.contiguous()
+
+
+def as_bytes(t):
+    """t as uint8 for a C call: a bool tensor's own bytes (no copy), anything else converted."""
+    return dense(t.view(torch.uint8) if t.dtype == torch.bool else t.to(torch.uint8))

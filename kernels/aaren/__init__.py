@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ..cbuild import dense, load
+from ..cbuild import as_bytes, dense, load
 from .naive import naive_aaren
 
 __all__ = ["naive_aaren", "chunk_aaren_triton", "fused_recurrent_aaren_triton", "aaren_prefill_cpu"]
@@ -53,8 +53,7 @@ def aaren_prefill_cpu(q, k, v, mask, queries, scale: float, decay: str, log_deca
         None if t is None else dense(t.detach().float())
         for t in (None if J == 1 else q, k, v, queries, log_decay if code else None, decay_in if code == 2 else None))
     s, out = torch.empty(B, T, H * J), torch.empty(B, T, H, D)
-    ins = [q, k, v, dense(mask.view(torch.uint8) if mask.dtype == torch.bool else mask.to(torch.uint8)), queries,
-           log_decay, decay_in]
+    ins = [q, k, v, as_bytes(mask), queries, log_decay, decay_in]
     rc = lib.aaren_branch_prefill(B, T, H, Hkv, D, J, code, scale,
                                   *(None if t is None else t.data_ptr() for t in [*ins, o, lse, s, out]))
     if rc == 1:  # more slots than the kernel takes

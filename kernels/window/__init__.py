@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..cbuild import dense, load
+from ..cbuild import as_bytes, dense, load
 
 __all__ = ["rotate_cpu", "window_attention_cpu", "window_cpu_takes", "window_prefill_cpu", "window_queries_cpu"]
 
@@ -197,8 +197,7 @@ def window_attention_cpu(q, qpos, ks, vs, spos, P0, window, scale, memory=None, 
     else:
         sink_s, sink_v, seen = sinks
     f32 = lambda x: dense(x.float())  # noqa: E731
-    indices = (dense(qpos.long()), dense(spos.long()), dense(evict.long()), dense(last.long()),
-               dense(seen.view(torch.uint8) if seen.dtype == torch.bool else seen.to(torch.uint8)))
+    indices = (dense(qpos.long()), dense(spos.long()), dense(evict.long()), dense(last.long()), as_bytes(seen))
     shape = (B, T, H, D, Hkv, Ls, mk.shape[2], sink_v.shape[1])
     inputs = (f32(q), f32(ks), f32(vs), f32(mk), f32(mv), f32(sink_s), f32(sink_v))
     # autograd's Function only where a gradient is wanted: it costs more than the call at a short prompt
