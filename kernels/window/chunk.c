@@ -35,7 +35,7 @@
 
 #include "../vec8.h"
 
-#define QB 16  /* queries per block: each reads QB + W - 1 window rows, so fewer means less waste, more passes */
+#define QB 16  /* queries per block: each gathers QB + W - 1 window rows (its row tiles compute with those they see) */
 #define KT 32  /* keys per score tile (4 vectors) */
 #define RT 4   /* rows (query, head) per tile */
 #define MAX_G 16
@@ -64,23 +64,33 @@ static inline void transpose8(const float *const rows[8], int D, float *out, int
     }
 }
 
-/* S[r][k0 .. k0 + KT) = <Q[r], key k> for RT rows: Q [rows][D], Kt [D][ldk] (keys transposed) */
-static inline void score_tile(const float *Q, int D, const float *Kt, int64_t ldk, int k0, float *S, int64_t lds) {
+/* S[r][k0 .. k0 + 8 nk) = <Q[r], key k> for RT rows (nk = 1 .. 4, a constant where inlined): Q [rows][D], Kt [D][ldk]
+ * (keys transposed) */
+static inline __attribute__((always_inline)) void score_tile(const float *Q, int D, const float *Kt, int64_t ldk,
+                                                             int k0, int nk, float *S, int64_t lds) {
     v8f acc[RT][4];
     memset(acc, 0, sizeof(acc));
     for (int d = 0; d < D; d++) {
         const float *kt = Kt + (int64_t)d * ldk + k0;
-        v8f k_0 = load8(kt), k_1 = load8(kt + 8), k_2 = load8(kt + 16), k_3 = load8(kt + 24);
+        v8f kv[4];
+        for (int n = 0; n < nk; n++) kv[n] = load8(kt + 8 * n);
         for (int r = 0; r < RT; r++) {
             v8f qv = splat8(Q[(int64_t)r * D + d]);
-            acc[r][0] += qv * k_0;
-            acc[r][1] += qv * k_1;
-            acc[r][2] += qv * k_2;
-            acc[r][3] += qv * k_3;
+            for (int n = 0; n < nk; n++) acc[r][n] += qv * kv[n];
         }
     }
     for (int r = 0; r < RT; r++)
-        for (int j = 0; j < 4; j++) store8(S + r * lds + k0 + 8 * j, acc[r][j]);
+        for (int n = 0; n < nk; n++) store8(S + r * lds + k0 + 8 * n, acc[r][n]);
+}
+
+/* score_tile over the keys [k0, k1) (multiples of 8) */
+static void scores(const float *Q, int D, const float *Kt, int64_t ldk, int k0, int k1, float *S, int64_t lds) {
+    for (; k0 + KT <= k1; k0 += KT) score_tile(Q, D, Kt, ldk, k0, 4, S, lds);
+    switch ((k1 - k0) / 8) {
+    case 3: score_tile(Q, D, Kt, ldk, k0, 3, S, lds); break;
+    case 2: score_tile(Q, D, Kt, ldk, k0, 2, S, lds); break;
+    case 1: score_tile(Q, D, Kt, ldk, k0, 1, S, lds); break;
+    }
 }
 
 /* O[r] += sum over keys k in [k0, k1) of P[r][k] V[k] for RT rows, dims [d0, d0 + 8 nv) (nv = 4 or 1) */
@@ -179,7 +189,7 @@ typedef struct {     /* one thread's buffers, sized for the widest block */
     float *Kr, *Vt, *dO, *dS, *T1, *dK, *dV; /* backward: keys as rows, values transposed, dO rows, dS, a transpose,
                                                 and the block's key gradients */
     int64_t *cand;
-    int32_t *seen; /* per key of the block (then the sinks'): -1 where the query sees it, else 0 */
+    int32_t *seen; /* [QB][ld] per query and key of the block (then the sinks'): -1 where seen, else 0 */
     int32_t *key_index, *key_evict; /* per key of the block: a window row's 0 (a token) or -1 (none), a memory
                                        candidate's index and eviction: what decides who sees it (gather) */
     int64_t row, scanned;         /* the (sequence, kv head) whose memory candidates cand holds, and up to where */
@@ -199,7 +209,7 @@ static int alloc_buffers(buffers *m, const job *j, int backward) {
     m->O = malloc(sizeof(float) * rows_p * D);
     m->P = malloc(sizeof(float) * rows_p * ld);
     m->cand = malloc(sizeof(int64_t) * (j->C + 1));
-    m->seen = malloc(sizeof(int32_t) * ld);
+    m->seen = malloc(sizeof(int32_t) * QB * ld);
     m->key_index = malloc(sizeof(int32_t) * m->kpad);
     m->key_evict = malloc(sizeof(int32_t) * m->kpad);
     int ok = m->Kt && m->V && m->Q && m->O && m->P && m->cand && m->seen && m->key_index && m->key_evict;
@@ -295,6 +305,20 @@ static block gather(const job *j, buffers *m, int b, int h, int t0, int backward
     return k_;
 }
 
+/* The key columns [lo, hi) rows r0 .. r0 + RT - 1 of a block can see, 8-aligned: from the first query's oldest
+ * window row to the memory's last candidate (or, without one, the last query's newest row). Each query sees W of its
+ * block's QB + W - 1 window rows, so the columns outside (up to QB - 1 of them, and about half while the window fills)
+ * hold zero weight: left out of the products, whose sums are the same without them (a product with weight 0 adds
+ * 0). The sinks' columns follow at Kp. */
+static void tile_keys(const job *j, const block *k_, int r0, int *lo, int *hi) {
+    int G = j->H / j->Hkv, i0 = r0 / G, i1 = (r0 + RT - 1) / G;
+    i1 = i1 < k_->nq - 1 ? i1 : k_->nq - 1;
+    int64_t first = j->P0 + k_->t0 + i0 - j->W + 1 - k_->w0, last = j->P0 + k_->t0 + i1 - k_->w0;
+    first = first < 0 ? 0 : first > last ? last : first; /* (rows only past the last query: any) */
+    *lo = (int)(first / 8 * 8);
+    *hi = k_->K > k_->kw ? (k_->K + 7) / 8 * 8 : (int)((last + 8) / 8 * 8);
+}
+
 /* the block's weights into m->P [rows][ld]: its keys' columns, then S8 of the sinks'; 0 for what a row does not see,
  * for every column of a padding query and for the rows past the last */
 static void weights(const job *j, buffers *m, const block *k_) {
@@ -302,19 +326,11 @@ static void weights(const job *j, buffers *m, const block *k_) {
     int64_t Kp = k_->Kp, ld = k_->ld, C = j->C;
     int nr_p = (k_->nr + RT - 1) / RT * RT;
     float *P = m->P;
-    for (int r0 = 0; r0 < nr_p; r0 += RT)
-        for (int k0 = 0; k0 < Kp; k0 += KT) score_tile(m->Q + (int64_t)r0 * D, D, m->Kt, Kp, k0, P + r0 * ld, ld);
-    memset(P + (int64_t)k_->nr * ld, 0, sizeof(float) * (nr_p - k_->nr) * ld);
     for (int i = 0; i < k_->nq; i++) {
-        int64_t t = k_->t0 + i, p = j->qpos[(int64_t)k_->b * T + t];
-        if (p < 0) { /* padding: sees nothing, output 0 */
-            memset(P + (int64_t)i * G * ld, 0, sizeof(float) * G * ld);
-            continue;
-        }
-        int64_t stream = j->P0 + t, lt = C > 0 ? j->last[t] : -1;
-        /* what this query sees, 8 keys at a time: window rows w0 + k in (stream - W, stream] that hold a token, and
-         * the memory candidates c (key kw + n) with c <= lt < evict[c] */
-        int32_t *seen = m->seen;
+        /* what query i sees, 8 keys at a time (m->seen row i): window rows w0 + k in (stream - W, stream] that hold a
+         * token, the memory candidates c (key kw + n) with c <= last[t] < evict[c], the sinks it sees */
+        int32_t *seen = m->seen + (int64_t)i * ld;
+        int64_t t = k_->t0 + i, stream = j->P0 + t, lt = C > 0 ? j->last[t] : -1;
         v8i32 iota = {0, 1, 2, 3, 4, 5, 6, 7};
         int32_t lo = (int32_t)(stream - W + 1 - k_->w0), hi = (int32_t)(stream - k_->w0), l32 = (int32_t)lt;
         for (int k = 0; k < Kp; k += 8) {
@@ -327,31 +343,49 @@ static void weights(const job *j, buffers *m, const block *k_) {
             memcpy(seen + k, &out, sizeof(out));
         }
         const uint8_t *sseen = j->sink_seen + ((int64_t)k_->b * T + t) * S;
-        for (int g = 0; g < G; g++) {
-            float *row = P + (int64_t)(i * G + g) * ld;
-            const float *ss = j->sink_s + (((int64_t)k_->b * T + t) * H + (int64_t)k_->h * G + g) * S;
-            for (int s = 0; s < S8; s++) row[Kp + s] = s < S && sseen[s] ? ss[s] : 0.0f;
-            for (int s = 0; s < S8; s++) seen[Kp + s] = -(s < S && sseen[s]);
-            /* scaled where seen, -inf where not (8 at a time), and the row's largest */
-            v8f top8 = splat8(-INFINITY), scale = splat8(j->scale), none = splat8(-INFINITY);
-            for (int64_t k = 0; k < ld; k += 8) {
-                v8i32 in;
-                memcpy(&in, seen + k, sizeof(in));
-                v8f x = select8(in, load8(row + k) * scale, none);
-                store8(row + k, x);
-                top8 = select8(x > top8, x, top8);
+        for (int s = 0; s < S8; s++) seen[Kp + s] = -(s < S && sseen[s]);
+    }
+    for (int r0 = 0; r0 < nr_p; r0 += RT) {
+        int k0, k1;
+        tile_keys(j, k_, r0, &k0, &k1);
+        scores(m->Q + (int64_t)r0 * D, D, m->Kt, Kp, k0, k1, P + r0 * ld, ld);
+        for (int r = r0; r < r0 + RT; r++) {
+            float *row = P + (int64_t)r * ld;
+            int64_t t = k_->t0 + r / G;
+            if (r >= k_->nr || j->qpos[(int64_t)k_->b * T + t] < 0) { /* padding: sees nothing, output 0 */
+                memset(row, 0, sizeof(float) * ld);
+                continue;
             }
+            const int32_t *seen = m->seen + (int64_t)(r / G) * ld;
+            const float *ss = j->sink_s + (((int64_t)k_->b * T + t) * H + (int64_t)k_->h * G + r % G) * S;
+            for (int s = 0; s < S8; s++) row[Kp + s] = seen[Kp + s] ? ss[s] : 0.0f;
+            memset(row, 0, sizeof(float) * k0);
+            memset(row + k1, 0, sizeof(float) * (Kp - k1));
+            /* scaled where seen, -inf where not (8 at a time), and the row's largest; over the tile's keys and the
+             * sinks (n = 0, 1) */
+            const int64_t from[2] = {k0, Kp}, to[2] = {k1, ld};
+            v8f top8 = splat8(-INFINITY), scale = splat8(j->scale), none = splat8(-INFINITY);
+            for (int n = 0; n < 2; n++)
+                for (int64_t k = from[n]; k < to[n]; k += 8) {
+                    v8i32 in;
+                    memcpy(&in, seen + k, sizeof(in));
+                    v8f x = select8(in, load8(row + k) * scale, none);
+                    store8(row + k, x);
+                    top8 = select8(x > top8, x, top8);
+                }
             float top = -INFINITY;
             for (int e = 0; e < 8; e++) top = top8[e] > top ? top8[e] : top;
             v8f total8 = splat8(0.0f);
-            for (int64_t k = 0; k < ld; k += 8) {
-                v8f w = exp8(load8(row + k) - splat8(top));
-                store8(row + k, w);
-                total8 += w;
-            }
+            for (int n = 0; n < 2; n++)
+                for (int64_t k = from[n]; k < to[n]; k += 8) {
+                    v8f w = exp8(load8(row + k) - splat8(top));
+                    store8(row + k, w);
+                    total8 += w;
+                }
             float sum = sum8_pairs(total8);
             v8f inv = splat8(1.0f / sum);
-            for (int64_t k = 0; k < ld; k += 8) store8(row + k, load8(row + k) * inv);
+            for (int n = 0; n < 2; n++)
+                for (int64_t k = from[n]; k < to[n]; k += 8) store8(row + k, load8(row + k) * inv);
         }
     }
 }
@@ -363,7 +397,10 @@ static void forward_block(const job *j, buffers *m, int b, int h, int t0) {
     int nr_p = (k_.nr + RT - 1) / RT * RT;
     memset(m->O, 0, sizeof(float) * nr_p * D);
     for (int r0 = 0; r0 < nr_p; r0 += RT) {
-        values(m->P + r0 * k_.ld, k_.ld, m->V, D, 0, k_.K, m->O + (int64_t)r0 * D);
+        int k0, k1;
+        tile_keys(j, &k_, r0, &k0, &k1);
+        /* (not the columns past the last key: they hold 0, their values nothing) */
+        values(m->P + r0 * k_.ld, k_.ld, m->V, D, k0, k1 < k_.K ? k1 : k_.K, m->O + (int64_t)r0 * D);
         if (S > 0) values(m->P + r0 * k_.ld, k_.ld, m->V, D, k_.Kp, k_.Kp + S, m->O + (int64_t)r0 * D);
     }
     for (int i = 0; i < k_.nq; i++)
@@ -392,7 +429,7 @@ static void backward_block(const job *j, buffers *m, int b, int h, int t0) {
     /* dP = dO V^T (keys by tiles, sinks by dots), then dS = P (dP - D_r) in place */
     float *dS = m->dS;
     for (int r0 = 0; r0 < nr_p; r0 += RT)
-        for (int k0 = 0; k0 < Kp; k0 += KT) score_tile(m->dO + (int64_t)r0 * D, D, m->Vt, Kp, k0, dS + r0 * ld, ld);
+        scores(m->dO + (int64_t)r0 * D, D, m->Vt, Kp, 0, (int)Kp, dS + r0 * ld, ld);
     for (int r = 0; r < nr; r++) {
         float *ds = dS + (int64_t)r * ld, *p = m->P + (int64_t)r * ld;
         for (int s = 0; s < (S + 7) / 8 * 8; s++) {
