@@ -6,8 +6,8 @@ and backward, ``window/chunk.c``, with the rotary embedding, ``window/rotate.c``
 
 They are compiled with the machine's C compiler (``$CC``, else ``cc``/``gcc``) into ``$AAREN_HF_CACHE/kernels``
 (default ``~/.cache/aaren_hf/kernels``), keyed by the sources, the flags and the CPU: no build step at install, no
-Python headers. Each load marks its library as used; a build of the same library that no load has used for
-``KEEP_DAYS`` (made from sources since edited, by another version of the package) is deleted when a new one is built.
+Python headers. Each load marks its library as used; a build that no load has used for ``KEEP_DAYS`` (made from sources
+since edited, by another version of the package, or of a library since renamed) is deleted when a new one is built.
 ``AAREN_BACKEND=torch`` (or ``naive``) turns them off; without a compiler, or where it fails, a warning says so once
 and the model runs the PyTorch code (each kernel's reference).
 """
@@ -18,6 +18,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -32,6 +33,7 @@ FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"]
 NATIVE = ["-march=native"]
 OPENMP = ["-fopenmp"]  # threads from the pool PyTorch's operators use (window/chunk.c says how); else one thread
 
+BUILD = re.compile(r".+-[0-9a-f]{16}\.so")  # what load names a build: library-key.so
 KEEP_DAYS = 30  # a build unused this long is stale (another checkout on this machine marks its own when it loads)
 _loaded: dict = {}  # name -> library, or None once it could not be built
 _said_no_compiler = False
@@ -74,12 +76,12 @@ def _compile(cc: str, flags: list, sources: tuple, target: Path) -> None:
             os.unlink(tmp)
 
 
-def _prune(name: str, keep: Path) -> None:
-    """Delete the builds of library ``name`` other than ``keep`` that no load has marked for KEEP_DAYS."""
+def _prune(keep: Path) -> None:
+    """Delete the builds beside ``keep`` (files named as load names them) that no load has marked for KEEP_DAYS."""
     cutoff = time.time() - KEEP_DAYS * 86400
-    for old in keep.parent.glob(f"{name}-*.so"):
+    for old in keep.parent.glob("*-*.so"):
         try:
-            if old != keep and old.stat().st_mtime < cutoff:
+            if old != keep and BUILD.fullmatch(old.name) and old.stat().st_mtime < cutoff:
                 old.unlink()
         except OSError:  # gone already (another process pruned it), or not ours to delete
             pass
@@ -120,7 +122,7 @@ def load(name: str, sources: tuple, signatures: dict, instead: str, headers: tup
                 _mark_used(target)
             else:
                 _compile(cc, flags, sources, target)
-                _prune(name, target)
+                _prune(target)
             lib = ctypes.CDLL(str(target))
         except (OSError, subprocess.SubprocessError) as error:
             stderr = getattr(error, "stderr", b"") or b""

@@ -223,9 +223,9 @@ def test_without_a_working_compiler_the_reference_runs(monkeypatch, tmp_path):
 
 
 def test_a_new_build_deletes_the_builds_no_load_used_for_keep_days(monkeypatch, tmp_path):
-    """Editing a kernel's sources leaves its old library in the cache: once a new build is made, the same library's
-    builds that no load has marked for KEEP_DAYS go; recent ones (another checkout's) and other libraries stay, and
-    loading a build marks it used."""
+    """Editing a kernel's sources (or renaming its library) leaves old builds in the cache: once a new build is made,
+    every build that no load has marked for KEEP_DAYS goes, of this library or another; recent ones (another
+    checkout's) and files that are not builds stay, and loading a build marks it used."""
     import os
     import time
 
@@ -236,17 +236,18 @@ def test_a_new_build_deletes_the_builds_no_load_used_for_keep_days(monkeypatch, 
     folder = tmp_path / "kernels"
     folder.mkdir()
     month_ago = time.time() - (cbuild.KEEP_DAYS + 1) * 86400
-    stale, recent, other = (folder / f"{name}-{digit * 16}.so" for name, digit in
-                            (("memory_evict", "0"), ("memory_evict", "1"), ("mixer_step", "2")))
-    for path in (stale, recent, other):
+    stale, recent, renamed, other_recent, not_a_build = (folder / name for name in (
+        "memory_evict-" + "0" * 16 + ".so", "memory_evict-" + "1" * 16 + ".so", "mixer_step-" + "2" * 16 + ".so",
+        "window-" + "3" * 16 + ".so", "mine-old.so"))
+    for path in (stale, recent, renamed, other_recent, not_a_build):
         path.write_bytes(b"")
-    for path in (stale, other):
+    for path in (stale, renamed, not_a_build):
         os.utime(path, (month_ago, month_ago))
     load = lambda: cbuild.load("memory_evict", memory_kernel.SOURCES, memory_kernel.SIGNATURES, "-")  # noqa: E731
     assert load() is not None
     built = set(folder.glob("memory_evict-*.so")) - {recent}
-    assert len(built) == 1 and not stale.exists()
-    assert recent.exists() and other.exists()
+    assert len(built) == 1 and not stale.exists() and not renamed.exists()
+    assert recent.exists() and other_recent.exists() and not_a_build.exists()
     (build,) = built
     os.utime(build, (month_ago, month_ago))
     monkeypatch.setattr(cbuild, "_loaded", {})
