@@ -163,13 +163,10 @@ def mixer_prefill_cpu(q, k, v, pos, mask, state, *, queries, log_decay, decay_in
     if lib is None:
         return None
     Wp, Wn = (state.window_k.shape[1] if continuing else 0), window - 1
+    win, old_sinks = [None] * 4, [None] * 3  # a first prompt: none yet
     if continuing:
         win = [state.window_k, state.window_v, state.window_pos, state.window_score if M > 0 else None]
         old_sinks = [state.sink_k, state.sink_v, state.sink_pos]
-    else:
-        win = [None] * 4
-        old_sinks = [torch.zeros(B, S, Hkv, D, dtype=stored), torch.zeros(B, S, Hkv, D, dtype=stored),
-                     torch.full((B, S), -1, dtype=torch.int64)]
     # held here until the call returns: a contiguous copy made on the way would otherwise be freed before it
     ins = [None if t is None else dense(t) for t in (
         q, k, v, pos, mask.view(torch.uint8), queries, log_decay if DECAYS[decay] else None,

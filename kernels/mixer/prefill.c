@@ -86,7 +86,8 @@ int64_t aaren_mixer_prefill_scratch(int B, int T, int H, int Hkv, int D, int J, 
 }
 
 /* The window held: win_k, win_v [B, Wp, Hkv, D] (bfloat16 when bf16), win_pos [B, Wp], win_score [B, Wp, Hkv]
- * (with a memory); the memory held: mem_* [B, Hkv, M, ...] (NULL when held is 0); the sinks: sink_* [B, S, ...].
+ * (with a memory); the memory held: mem_* [B, Hkv, M, ...] (NULL when held is 0); the sinks: sink_* [B, S, ...]
+ * (NULL on a first prompt: none yet).
  * Aaren state o_in [B, H J, D], lse_in [B, H J] (NULL: empty); with keep, the next state into o_new, lse_new,
  * new_sink_*, new_win_* and new_mem_*. rule: 1 retention_in [B, T, Hkv] is retention_proj(x), 2 the best slot
  * score per kv head. share: 0 none, 1 this layer writes its best over kv heads to shared [B, T], 2 it ranks by
@@ -150,9 +151,15 @@ int aaren_mixer_prefill(
     }
     if (M > 0) aaren_retention_scores(BT, Hkv, HJ, rule, share, retention_in, s, shared, retention);
     /* the sinks so far, updated by this prompt's first tokens */
-    memcpy(new_sink_k, sink_k, unit * (size_t)sinks);
-    memcpy(new_sink_v, sink_v, unit * (size_t)sinks);
-    memcpy(new_sink_pos, sink_pos, sizeof(int64_t) * (size_t)B * S);
+    if (sink_k) {
+        memcpy(new_sink_k, sink_k, unit * (size_t)sinks);
+        memcpy(new_sink_v, sink_v, unit * (size_t)sinks);
+        memcpy(new_sink_pos, sink_pos, sizeof(int64_t) * (size_t)B * S);
+    } else { /* a first prompt: no sink yet (zeros, position -1) */
+        memset(new_sink_k, 0, unit * (size_t)sinks);
+        memset(new_sink_v, 0, unit * (size_t)sinks);
+        for (int64_t i = 0; i < (int64_t)B * S; i++) new_sink_pos[i] = -1;
+    }
     rc = aaren_window_prefill(B, T, Hkv, D, Wp, W, S, bf16, keep, rot, k, cos, sin, v, pos, win_k, win_v, win_pos,
                               win_score, M > 0 ? retention : NULL, kr, vr, new_sink_k, new_sink_v, new_sink_pos,
                               new_win_k, new_win_v, new_win_pos, M > 0 ? new_win_score : NULL);
