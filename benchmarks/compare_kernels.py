@@ -1,16 +1,18 @@
 #!/usr/bin/env python
 # Copyright 2026 The aaren-hf authors. Apache-2.0.
-"""This checkout's C kernels against a git revision's, in one process: a model's prefill timed with each build in
-turn (and its teacher's), alternating, as ratios; and whether the two builds give the same logits.
+"""This checkout's CPU kernels against a git revision's, in one process: a model's prefill timed with each in turn
+(and its teacher's), alternating, as ratios; and whether the two give the same logits.
 
     python -P benchmarks/compare_kernels.py --rev HEAD~1 --student outputs/SmolLM2-135M-Instruct-aaren
     python -P benchmarks/compare_kernels.py --rev HEAD~1 --layers 2 --prompts 100,1000   # random, SmolLM2's shape
     python -P benchmarks/compare_kernels.py --rev HEAD --shape tiny --prompts 40 --repeats 2
 
-What it swaps: the libraries ``kernels/cbuild.py`` builds (each kernel package's ``LIBRARY``), compiled from
-``git archive REV kernels`` with this machine's compiler and flags. The Python around them is this checkout's, so
-the revision's C functions must take the same arguments: its kernel packages' SIGNATURES are compared first, and it
-stops where they differ (for such a change, alternate two checkouts with bench_model.py).
+What it swaps: the kernel functions the model's module takes from ``aaren_hf.kernels``' packages (the C kernels'
+wrappers: ``mixer_prefill_cpu``, ``window_attention_cpu``, ...) for the revision's, imported from ``git archive REV
+kernels`` under a name of their own; they build and call the revision's C (compiled as the model's own are, into the
+same cache: the same sources give the same file). The model itself is this checkout's, so the revision's wrappers
+must take the arguments it passes: where one is missing or refuses them, it stops and says so (for such a change,
+run bench_model.py in two checkouts).
 
 Why one process: runs of bench_model.py minutes apart differ by a few percent on a shared machine, more than most
 kernel changes. Here every round runs the teacher and both builds once, in a rotated order, and the medians are
@@ -42,10 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_decode import _int_list  # noqa: E402  (also imports aaren_hf before transformers' model code)
 from bench_model import SHAPES, mixer_options  # noqa: E402
 
-from aaren_hf.kernels import aaren, cbuild, memory, mixer, window  # noqa: E402
-
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = (mixer, aaren, window, memory)  # every kernel package with a C build (its LIBRARY, SOURCES, ...)
 
 
 def git(*args) -> str:
@@ -66,52 +65,40 @@ def kernels_at(rev: str, into: Path) -> Path:
     return into / "kernels"
 
 
-def packages_at(tree: Path) -> dict:
-    """{library name: that tree's kernel package} (its SOURCES, HEADERS and SIGNATURES), imported under a name of
-    its own. Stops where a C function takes other arguments than this checkout's wrappers pass (they call it)."""
-    name = f"_aaren_kernels_{abs(hash(str(tree)))}"
-    spec = importlib.util.spec_from_file_location(name, tree / "__init__.py", submodule_search_locations=[str(tree)])
-    sys.modules[name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sys.modules[name])
-    theirs = {p.LIBRARY: importlib.import_module(f"{name}.{p.__name__.rsplit('.', 1)[1]}") for p in PACKAGES}
-    for package in PACKAGES:
-        other = theirs[package.LIBRARY].SIGNATURES
-        differ = sorted(f for f in set(other) | set(package.SIGNATURES) if other.get(f) != package.SIGNATURES.get(f))
-        if differ:
-            raise SystemExit(f"compare_kernels: at that revision {', '.join(differ)} take other arguments than this "
-                             "checkout's wrappers pass: compare kernels whose C signatures agree here; for others, "
-                             "run bench_model.py in two checkouts.")
-    return theirs
-
-
-def builds(tree: Path | None) -> dict:
-    """{library name: loaded build} of every kernel package, from the kernels tree at ``tree`` (None: this
-    checkout's), built by cbuild as the model's own are (the same sources give the same file)."""
-    packages = {p.LIBRARY: p for p in PACKAGES} if tree is None else packages_at(tree)
-    libs = {}
-    for name, package in packages.items():
-        held = cbuild._loaded.pop(name, None)  # load() answers from this cache: build these sources instead
-        try:
-            lib = cbuild.load(name, package.SOURCES, package.SIGNATURES, "nothing", package.HEADERS)
-        finally:
-            if held is not None:
-                cbuild._loaded[name] = held
-        if lib is None:
-            raise SystemExit(f"compare_kernels: could not build {name} (a C compiler is needed; AAREN_BACKEND must "
-                             "not be torch)")
-        libs[name] = lib
-    return libs
+def wrappers_at(tree: Path, model_code) -> dict:
+    """{name: that tree's function} for every name the model's module (``model_code``) takes from this checkout's
+    kernel packages (``mixer_prefill_cpu``, ``window_attention_cpu``, ...): the revision's Python wrappers, which build
+    and call the revision's C (its own cbuild, the same cache). Its packages are imported under a name of their own."""
+    root = f"_aaren_kernels_{abs(hash(str(tree)))}"
+    spec = importlib.util.spec_from_file_location(root, tree / "__init__.py", submodule_search_locations=[str(tree)])
+    sys.modules[root] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sys.modules[root])
+    wrappers = {}
+    for name, ours in vars(model_code).items():
+        package = getattr(ours, "__module__", None) or ""
+        if package.startswith("aaren_hf.kernels.") and callable(ours):  # (the C wrappers: the GPU's are not swapped)
+            theirs = importlib.import_module(root + package[len("aaren_hf.kernels"):])
+            if not hasattr(theirs, name):
+                raise SystemExit(f"compare_kernels: the revision's {package} has no {name}, which this checkout's "
+                                 "model calls: compare it by running bench_model.py in two checkouts")
+            wrappers[name] = getattr(theirs, name)
+    return wrappers
 
 
 @contextlib.contextmanager
-def serving(libs: dict):
-    """The kernels' wrappers call these builds inside the block (each asks cbuild.load, which answers from _loaded)."""
-    held = {name: cbuild._loaded.get(name) for name in libs}
-    cbuild._loaded.update(libs)
+def serving(model_code, wrappers: dict):
+    """The model's module calls these wrappers inside the block (its own again after it)."""
+    held = {name: getattr(model_code, name) for name in wrappers}
+    for name, function in wrappers.items():
+        setattr(model_code, name, function)
     try:
         yield
+    except TypeError as error:  # a wrapper called with arguments the revision's does not take
+        raise SystemExit(f"compare_kernels: the revision's kernels take other arguments than this checkout's model "
+                         f"passes ({error}): compare it by running bench_model.py in two checkouts") from error
     finally:
-        cbuild._loaded.update(held)
+        for name, function in held.items():
+            setattr(model_code, name, function)
 
 
 def build_models(args):
@@ -155,48 +142,48 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    with tempfile.TemporaryDirectory() as tmp:
-        theirs = builds(kernels_at(args.rev, Path(tmp)))
-    ours = builds(None)
-    same_files = all(theirs[n]._name == ours[n]._name for n in ours)  # the same sources build the same file
     teacher, student = build_models(args)
-    runs = {"teacher": (teacher, None), "this checkout": (student, ours), args.rev: (student, theirs)}
-    rows = []
-    for length in args.prompts:
-        ids = torch.randint(3, teacher.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(length))
-        times, logits = {name: [] for name in runs}, {}
-        with torch.no_grad():
-            for r in range(args.warmup + args.repeats):
-                names = list(runs)[r % len(runs):] + list(runs)[:r % len(runs)]  # rotated: load hits all alike
-                for name in names:
-                    model, libs = runs[name]
-                    with serving(libs) if libs else contextlib.nullcontext():
-                        start = time.perf_counter()
-                        out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-                        seconds = time.perf_counter() - start
-                    logits.setdefault(name, out.logits)
-                    if r >= args.warmup:
-                        times[name].append(seconds)
-        median = {name: statistics.median(t) for name, t in times.items()}
-        a, b = logits["this checkout"], logits[args.rev]
-        rows.append(dict(prompt=length, seconds=median, same_logits=bool(torch.equal(a, b)),
-                         max_logit_change=float((a - b).abs().max()),
-                         speed_vs_rev=median[args.rev] / median["this checkout"],
-                         speed_vs_teacher={n: median["teacher"] / median[n] for n in ("this checkout", args.rev)}))
-    print(f"kernels: this checkout ({REPO}) against {args.rev}"
-          f"{' (the same sources: the same build)' if same_files else ''}; {args.threads} thread(s), medians of "
-          f"{args.repeats} alternating rounds")
+    model_code = sys.modules[type(student).__module__]
+    with tempfile.TemporaryDirectory() as tmp:  # the revision's wrappers build from these sources on first use
+        theirs = wrappers_at(kernels_at(args.rev, Path(tmp)), model_code)
+        same = git("diff", "--name-only", args.rev, "--", "kernels").strip() == ""
+        runs = {"teacher": (teacher, None), "this checkout": (student, None), args.rev: (student, theirs)}
+        rows = []
+        for length in args.prompts:
+            ids = torch.randint(3, teacher.config.vocab_size, (1, length),
+                                generator=torch.Generator().manual_seed(length))
+            times, logits = {name: [] for name in runs}, {}
+            with torch.no_grad():
+                for r in range(args.warmup + args.repeats):
+                    names = list(runs)[r % len(runs):] + list(runs)[:r % len(runs)]  # rotated: load hits all alike
+                    for name in names:
+                        model, wrappers = runs[name]
+                        with serving(model_code, wrappers) if wrappers else contextlib.nullcontext():
+                            start = time.perf_counter()
+                            out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+                            seconds = time.perf_counter() - start
+                        logits.setdefault(name, out.logits)
+                        if r >= args.warmup:
+                            times[name].append(seconds)
+            median = {name: statistics.median(t) for name, t in times.items()}
+            a, b = logits["this checkout"], logits[args.rev]
+            rows.append(dict(prompt=length, seconds=median, same_logits=bool(torch.equal(a, b)),
+                             max_logit_change=float((a - b).abs().max()),
+                             speed_vs_rev=median[args.rev] / median["this checkout"],
+                             speed_vs_teacher={n: median["teacher"] / median[n] for n in ("this checkout", args.rev)}))
+    print(f"kernels: this checkout ({REPO}) against {args.rev}{' (the same kernels)' if same else ''}; "
+          f"{args.threads} thread(s), medians of {args.repeats} alternating rounds")
     print(f"| prompt | teacher | this checkout | {args.rev} | this / {args.rev} speed | x teacher: this, {args.rev} "
           "| same logits |")
     print("|---|---|---|---|---|---|---|")
     for row in rows:
         s, v = row["seconds"], row["speed_vs_teacher"]
-        same = "yes" if row["same_logits"] else f"no (max change {row['max_logit_change']:.2e})"
+        same_logits = "yes" if row["same_logits"] else f"no (max change {row['max_logit_change']:.2e})"
         print(f"| {row['prompt']} | {s['teacher'] * 1e3:.1f} ms | {s['this checkout'] * 1e3:.1f} ms | "
               f"{s[args.rev] * 1e3:.1f} ms | {row['speed_vs_rev']:.3f}x | {v['this checkout']:.3f}x, "
-              f"{v[args.rev]:.3f}x | {same} |")
+              f"{v[args.rev]:.3f}x | {same_logits} |")
     if args.json_path:
-        Path(args.json_path).write_text(json.dumps(dict(rev=args.rev, same_build=same_files, rows=rows), indent=1))
+        Path(args.json_path).write_text(json.dumps(dict(rev=args.rev, same_kernels=same, rows=rows), indent=1))
     return rows
 
 

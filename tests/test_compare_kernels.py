@@ -1,6 +1,7 @@
 # Copyright 2026 The aaren-hf authors. Apache-2.0.
-"""benchmarks/compare_kernels.py: the build it swaps in is the one that serves the model, a revision with the same
-kernels gives the same build and logits, and what it cannot compare is refused with a reason. Never timings."""
+"""benchmarks/compare_kernels.py: the revision's kernels it swaps in are the ones that serve the model (and only
+inside the block), a revision with the same kernels gives the same logits, and what it cannot compare is refused with
+a reason. Never timings."""
 
 import importlib
 import json
@@ -16,6 +17,7 @@ import aaren_hf  # noqa: F401  (before transformers' model code: see the note in
 from aaren_hf.kernels import cbuild
 
 REPO = Path(__file__).resolve().parent.parent
+KERNELS = Path(cbuild.__file__).parent
 
 
 def load_script():
@@ -27,43 +29,48 @@ def load_script():
 
 def needs_compiler():
     if cbuild.disabled() or (shutil.which("cc") is None and shutil.which("gcc") is None):
-        pytest.skip("no C compiler, or AAREN_BACKEND=torch: there is no build to swap")
+        pytest.skip("no C compiler, or AAREN_BACKEND=torch: the C kernels do not serve")
 
 
 def tiny_student():
     compare = load_script()
-    args = compare.parse_args(["--rev", "HEAD", "--shape", "tiny"])
-    return compare.build_models(args)[1]
+    student = compare.build_models(compare.parse_args(["--rev", "HEAD", "--shape", "tiny"]))[1]
+    return student, sys.modules[type(student).__module__]
 
 
-def test_a_swapped_build_is_the_one_that_serves_the_model(tmp_path):
+def kernels_copy(into: Path, edit=None) -> Path:
+    """This checkout's kernels tree copied below ``into``; ``edit``: {relative path: (old text, new text)}."""
+    tree = into / "kernels"
+    shutil.copytree(KERNELS, tree, ignore=shutil.ignore_patterns("__pycache__"))
+    for path, (old, new) in (edit or {}).items():
+        text = (tree / path).read_text()
+        assert text.count(old) == 1, (path, old)
+        (tree / path).write_text(text.replace(old, new))
+    return tree
+
+
+def test_the_revisions_kernels_serve_the_model_inside_the_block_only(tmp_path):
     needs_compiler()
     compare = load_script()
-    here = Path(compare.cbuild.__file__).parent
-    same, changed = tmp_path / "same" / "kernels", tmp_path / "changed" / "kernels"
-    for tree in (same, changed):
-        shutil.copytree(here, tree, ignore=shutil.ignore_patterns("__pycache__"))
-    chunk = changed / "window" / "chunk.c"
-    text = chunk.read_text()
-    assert text.count("float sum = sum8_pairs(total8);") == 1  # the window softmax's total: doubled below
-    chunk.write_text(text.replace("float sum = sum8_pairs(total8);", "float sum = 2.0f * sum8_pairs(total8);"))
-
-    student = tiny_student()
+    student, model_code = tiny_student()
+    same = compare.wrappers_at(kernels_copy(tmp_path / "same"), model_code)
+    # the window softmax's total doubled: the window's weights halved, another output
+    changed = compare.wrappers_at(kernels_copy(tmp_path / "changed", {"window/chunk.c": (
+        "float sum = sum8_pairs(total8);", "float sum = 2.0f * sum8_pairs(total8);")}), model_code)
+    assert {"mixer_prefill_cpu", "mixer_step_cpu", "window_attention_cpu", "aaren_prefill_cpu"} <= set(same)
+    own = {name: getattr(model_code, name) for name in same}
+    assert all(same[name] is not own[name] for name in same)  # the copy's functions, not this checkout's
     ids = torch.randint(3, 200, (1, 40), generator=torch.Generator().manual_seed(0))
-    ours, unchanged, theirs = compare.builds(None), compare.builds(same), compare.builds(changed)
-    assert all(unchanged[n]._name == ours[n]._name for n in ours)  # the same sources: the same file, no new build
-    assert theirs["mixer"]._name != ours["mixer"]._name and theirs["window"]._name != ours["window"]._name
-    assert theirs["aaren_scan"]._name == ours["aaren_scan"]._name  # step.c did not change
 
-    def logits(libs):
-        with torch.no_grad(), compare.serving(libs):
+    def logits(wrappers=None):
+        with torch.no_grad(), compare.serving(model_code, wrappers or {}):
             return student(input_ids=ids, use_cache=True).logits
 
-    with torch.no_grad():  # (with gradients the per-part calls run: equal to rounding only)
-        plain = student(input_ids=ids, use_cache=True).logits
-    assert torch.equal(logits(ours), plain) and torch.equal(logits(unchanged), plain)
-    assert not torch.allclose(logits(theirs), plain, atol=1e-3)  # the window's weights halved: another output
-    assert torch.equal(logits(ours), plain)  # and the checkout's build serves again after the block
+    plain = logits()
+    assert torch.equal(logits(same), plain)
+    assert not torch.allclose(logits(changed), plain, atol=1e-3)
+    assert all(getattr(model_code, name) is function for name, function in own.items())  # restored after the block
+    assert torch.equal(logits(), plain)
 
 
 def test_head_against_this_checkout_end_to_end(tmp_path, capsys):
@@ -80,27 +87,28 @@ def test_head_against_this_checkout_end_to_end(tmp_path, capsys):
     table = [line for line in printed.splitlines() if line.startswith("|")]
     assert "| prompt | teacher | this checkout | HEAD |" in table[0] and len(table) == 2 + len(rows) == 4
     report = json.loads(out.read_text())
-    git_diff = ["git", "-C", str(REPO), "diff", "--quiet", "HEAD", "--", "kernels/*.[ch]"]
-    c_unchanged = subprocess.run(git_diff).returncode == 0
-    assert report["same_build"] == c_unchanged
+    git_diff = ["git", "-C", str(REPO), "diff", "--quiet", "HEAD", "--", "kernels"]
+    assert report["same_kernels"] == (subprocess.run(git_diff).returncode == 0)
     for row in report["rows"]:
         assert set(row["seconds"]) == {"teacher", "this checkout", "HEAD"} and min(row["seconds"].values()) > 0
-        if report["same_build"]:  # one library serving both: the same logits, bit for bit
+        if report["same_kernels"]:  # the same code on both sides: the same logits, bit for bit
             assert row["same_logits"] and row["max_logit_change"] == 0.0
 
 
 def test_what_it_cannot_compare_is_refused_with_a_reason(tmp_path):
+    needs_compiler()
     compare = load_script()
-    here = Path(compare.cbuild.__file__).parent
-    tree = tmp_path / "kernels"
-    shutil.copytree(here, tree, ignore=shutil.ignore_patterns("__pycache__"))
-    wrapper = tree / "mixer" / "__init__.py"
-    text = wrapper.read_text()
-    assert text.count('"aaren_mixer_step": (ctypes.c_int, [ctypes.c_int] * 16') == 1
-    wrapper.write_text(text.replace('"aaren_mixer_step": (ctypes.c_int, [ctypes.c_int] * 16',
-                                    '"aaren_mixer_step": (ctypes.c_int, [ctypes.c_int] * 17'))
-    with pytest.raises(SystemExit, match="aaren_mixer_step take other arguments"):
-        compare.packages_at(tree)  # (before anything is compiled)
+    student, model_code = tiny_student()
+    renamed = kernels_copy(tmp_path / "renamed", {"mixer/__init__.py": ("def mixer_step_cpu(", "def step_cpu(")})
+    with pytest.raises(SystemExit, match="no mixer_step_cpu"):
+        compare.wrappers_at(renamed, model_code)
+    narrower = compare.wrappers_at(kernels_copy(tmp_path / "narrower", {"mixer/__init__.py": (
+        "scale, stored,\n                      pool=None):", "scale, stored):")}), model_code)
+    ids = torch.randint(3, 200, (1, 40), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(SystemExit, match="take other arguments than this checkout's model passes"):
+        with torch.no_grad(), compare.serving(model_code, narrower):
+            student(input_ids=ids, use_cache=True)
+    assert model_code.mixer_prefill_cpu is not narrower["mixer_prefill_cpu"]  # restored on the way out
     if shutil.which("git") is not None:
         with pytest.raises(SystemExit, match="a revision that exists"):
             compare.kernels_at("no-such-revision-here", tmp_path)

@@ -26,7 +26,6 @@ __all__ = ["memory_evict_cpu", "memory_prefill_cpu", "memory_round_cpu"]
 
 MEMORY_PARTS = ("k", "v", "k_scale", "v_scale", "pos", "score")  # the state's memory_* tensors, in the C call's order
 
-LIBRARY = "memory"  # cbuild's name for the build (benchmarks/compare_kernels.py swaps builds by it)
 SOURCES = tuple(Path(__file__).parent / name for name in ("evict.c", "codes.c", "prefill.c"))
 HEADERS = (Path(__file__).parent / "codes.h", Path(__file__).parent.parent / "vec8.h")
 SIGNATURES = {"aaren_memory_evict": (ctypes.c_int, [ctypes.c_int] * 5 + [ctypes.c_void_p] * 3),
@@ -35,7 +34,7 @@ SIGNATURES = {"aaren_memory_evict": (ctypes.c_int, [ctypes.c_int] * 5 + [ctypes.
 
 
 def library():
-    return load(LIBRARY, SOURCES, SIGNATURES, "the PyTorch ranking sweep and coding", HEADERS)
+    return load("memory", SOURCES, SIGNATURES, "the PyTorch ranking sweep and coding", HEADERS)
 
 
 def memory_evict_cpu(cand_pos, cand_score, upto: int, num_sinks: int, memory_size: int):

@@ -32,7 +32,6 @@ from ..state import writable
 __all__ = ["mixer_prefill_cpu", "mixer_step_cpu", "library"]
 
 KERNELS = Path(__file__).parent.parent
-LIBRARY = "mixer"  # cbuild's name for the build (benchmarks/compare_kernels.py swaps builds by it)
 SOURCES = tuple(KERNELS / name for name in (
     "aaren/step.c", "window/step.c", "window/rotate.c", "window/prefill.c", "window/chunk.c", "memory/evict.c",
     "memory/codes.c", "memory/prefill.c", "mixer/step.c", "mixer/prefill.c"))
@@ -47,7 +46,7 @@ MEMORY_PARTS = ("k", "v", "k_scale", "v_scale", "pos", "score")  # the state's m
 
 def library():
     """The compiled calls (ctypes), built on first use; None when disabled or when no compiler can build them."""
-    return load(LIBRARY, SOURCES, SIGNATURES, "the PyTorch steps, about half as fast", HEADERS)
+    return load("mixer", SOURCES, SIGNATURES, "the PyTorch steps, about half as fast", HEADERS)
 
 
 def _float32_cpu(*tensors) -> bool:
