@@ -2,14 +2,16 @@
 memory's ranking and codes, and a prompt's memory: ``memory/evict.c``, ``memory/codes.c``, ``memory/prefill.c``,
 with ``memory/codes.h`` shared by the three libraries; a prompt's scan, ``aaren/step.c``; window attention, forward
 and backward, ``window/chunk.c``, with the rotary embedding, ``window/rotate.c``, and a prompt's window bookkeeping,
-``window/prefill.c``; ``vec8.h``, 8 floats at a time, for all), compiled on first use and loaded with ctypes.
+``window/prefill.c``; ``vec8.h``, 8 floats at a time, for all), compiled on first use and loaded with ctypes. Each
+kernel folder's header (``aaren/aaren.h``, ``window/window.h``, ``memory/memory.h``, ``mixer/mixer.h``) declares its
+calls once, for the file that defines them and the files that compose them.
 
 They are compiled with the machine's C compiler (``$CC``, else ``cc``/``gcc``) into ``$AAREN_HF_CACHE/kernels``
-(default ``~/.cache/aaren_hf/kernels``), keyed by the sources, the flags and the CPU: no build step at install, no
-Python headers. Each load marks its library as used; a build that no load has used for ``KEEP_DAYS`` (made from sources
-since edited, by another version of the package, or of a library since renamed) is deleted when a new one is built.
-``AAREN_BACKEND=torch`` (or ``naive``) turns them off; without a compiler, or where it fails, a warning says so once
-and the model runs the PyTorch code (each kernel's reference).
+(default ``~/.cache/aaren_hf/kernels``), keyed by the sources, the headers they include, the flags and the CPU: no
+build step at install, no Python headers. Each load marks its library as used; a build that no load has used for
+``KEEP_DAYS`` (made from sources since edited, by another version of the package, or of a library since renamed) is
+deleted when a new one is built. ``AAREN_BACKEND=torch`` (or ``naive``) turns them off; without a compiler, or where
+it fails, a warning says so once and the model runs the PyTorch code (each kernel's reference).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"]
 NATIVE = ["-march=native"]
 OPENMP = ["-fopenmp"]  # threads from the pool PyTorch's operators use (window/chunk.c says how); else one thread
 
+INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)  # a header of our own
 BUILD = re.compile(r".+-[0-9a-f]{16}\.so")  # what load names a build: library-key.so
 KEEP_DAYS = 30  # a build unused this long is stale (another checkout on this machine marks its own when it loads)
 _loaded: dict = {}  # name -> library, or None once it could not be built
@@ -94,10 +97,24 @@ def _mark_used(target: Path) -> None:
         pass
 
 
-def load(name: str, sources: tuple, signatures: dict, instead: str, headers: tuple = ()):
+def headers_of(sources) -> tuple:
+    """The files ``sources`` include with quotes (``#include "..."``), and those they include in turn: part of a
+    build's key as the sources are, and shipped with them."""
+    found, todo = [], [Path(source) for source in sources]
+    while todo:
+        source = todo.pop()
+        for name in INCLUDE.findall(source.read_text()):
+            header = (source.parent / name).resolve()
+            if header not in found:
+                found.append(header)
+                todo.append(header)
+    return tuple(sorted(found))
+
+
+def load(name: str, sources: tuple, signatures: dict, instead: str):
     """``sources`` compiled (once per machine) into library ``name`` and loaded, its functions typed by ``signatures``
     ({function: (restype, argtypes)}); None when disabled or when it cannot be built (then, once, a warning that
-    ``instead`` runs). ``headers``: files the sources include, part of the build's key as the sources are."""
+    ``instead`` runs)."""
     if disabled():
         return None
     if name in _loaded:
@@ -112,7 +129,7 @@ def load(name: str, sources: tuple, signatures: dict, instead: str, headers: tup
             warnings.warn("aaren_hf: no C compiler (set CC, or install gcc): on the CPU the model runs its PyTorch "
                           "code, decoding about half as fast", stacklevel=3)
         return None
-    errors = []
+    errors, headers = [], headers_of(sources)
     for flags in (FLAGS + OPENMP + NATIVE, FLAGS + NATIVE, FLAGS):
         key = hashlib.sha256(b"".join(source.read_bytes() for source in (*sources, *headers))
                              + " ".join([cc, *flags]).encode() + _cpu_key().encode())

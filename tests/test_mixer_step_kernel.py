@@ -5,6 +5,7 @@ sinks, memory slots in the same order) bit for bit. And a prompt's one call (ker
 calls it replaces."""
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -255,6 +256,27 @@ def test_a_new_build_deletes_the_builds_no_load_used_for_keep_days(monkeypatch, 
     assert build.stat().st_mtime > month_ago + 86400
 
 
+def test_a_header_is_part_of_the_build_it_is_included_in(monkeypatch, tmp_path):
+    """The build's key covers the headers the sources include (found from their #include lines, transitively): an
+    edited header makes a new build, not a stale one loaded from the cache."""
+    from aaren_hf.kernels import memory as memory_kernel
+
+    root = Path(cbuild.__file__).parent
+    tree = tmp_path / "kernels"
+    shutil.copytree(root, tree, ignore=shutil.ignore_patterns("__pycache__"))
+    sources = tuple(tree / s.relative_to(root) for s in memory_kernel.SOURCES)
+    assert {h.name for h in cbuild.headers_of(sources)} == {"codes.h", "memory.h", "vec8.h"}  # vec8.h via codes.h
+    monkeypatch.setenv("AAREN_HF_CACHE", str(tmp_path / "cache"))
+    builds = []
+    for edit in (None, "/* edited */\n"):
+        if edit:
+            (tree / "vec8.h").write_text(edit + (tree / "vec8.h").read_text())
+        monkeypatch.setattr(cbuild, "_loaded", {})
+        assert cbuild.load("memory", sources, memory_kernel.SIGNATURES, "-") is not None
+        builds.append(set((tmp_path / "cache" / "kernels").glob("memory-*.so")))
+    assert len(builds[0]) == 1 and len(builds[1]) == 2  # the edit two includes deep made a second build
+
+
 def test_every_file_a_kernel_builds_from_ships_with_the_package():
     """A wheel holds only what setup.cfg's package_data names: a C source or header left out there would make the
     kernel fail to build on an installed copy (and the model quietly run its PyTorch code)."""
@@ -272,7 +294,7 @@ def test_every_file_a_kernel_builds_from_ships_with_the_package():
     shipped = {package: [p.strip() for p in patterns.split(",")]
                for package, patterns in setup["options.package_data"].items()}
     files = {f for kernel in (aaren_kernel, memory_kernel, mixer_kernel, window_kernel)
-             for f in (*kernel.SOURCES, *kernel.HEADERS)}
+             for f in (*kernel.SOURCES, *cbuild.headers_of(kernel.SOURCES))}
     assert {f.suffix for f in files} == {".c", ".h"}
     root = Path(kernels_package.__file__).parent
     for f in files:

@@ -18,7 +18,6 @@ from .naive import naive_aaren
 __all__ = ["naive_aaren", "chunk_aaren_triton", "fused_recurrent_aaren_triton", "aaren_prefill_cpu"]
 
 SOURCES = (Path(__file__).parent / "step.c",)
-HEADERS = (Path(__file__).parent.parent / "vec8.h",)
 SIGNATURES = {"aaren_branch_prefill": (ctypes.c_int, [ctypes.c_int] * 7 + [ctypes.c_float] + [ctypes.c_void_p] * 11)}
 DECAYS = {"none": 0, "fixed": 1, "learned": 1, "input": 2}
 
@@ -36,7 +35,7 @@ def aaren_prefill_cpu(q, k, v, mask, queries, scale: float, decay: str, log_deca
     if ((torch.is_grad_enabled() and any(t.requires_grad for t in present))
             or any(t.device.type != "cpu" or t.dtype == torch.float64 for t in present) or decay not in DECAYS):
         return None
-    lib = load("aaren_scan", SOURCES, SIGNATURES, "the chunked PyTorch scan", HEADERS)
+    lib = load("aaren_scan", SOURCES, SIGNATURES, "the chunked PyTorch scan")
     if lib is None:
         return None
     B, T, Hkv, D = v.shape

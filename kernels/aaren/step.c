@@ -30,6 +30,7 @@
 #include <string.h>
 
 #include "../vec8.h"
+#include "aaren.h"
 
 #define MAX_J 64
 

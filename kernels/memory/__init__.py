@@ -27,14 +27,13 @@ __all__ = ["memory_evict_cpu", "memory_prefill_cpu", "memory_round_cpu"]
 MEMORY_PARTS = ("k", "v", "k_scale", "v_scale", "pos", "score")  # the state's memory_* tensors, in the C call's order
 
 SOURCES = tuple(Path(__file__).parent / name for name in ("evict.c", "codes.c", "prefill.c"))
-HEADERS = (Path(__file__).parent / "codes.h", Path(__file__).parent.parent / "vec8.h")
 SIGNATURES = {"aaren_memory_evict": (ctypes.c_int, [ctypes.c_int] * 5 + [ctypes.c_void_p] * 3),
               "aaren_memory_round": (ctypes.c_int, [ctypes.c_int64] + [ctypes.c_int] * 3 + [ctypes.c_void_p] * 4),
               "aaren_memory_prefill": (ctypes.c_int, [ctypes.c_int] * 13 + [ctypes.c_void_p] * 24)}
 
 
 def library():
-    return load("memory", SOURCES, SIGNATURES, "the PyTorch ranking sweep and coding", HEADERS)
+    return load("memory", SOURCES, SIGNATURES, "the PyTorch ranking sweep and coding")
 
 
 def memory_evict_cpu(cand_pos, cand_score, upto: int, num_sinks: int, memory_size: int):

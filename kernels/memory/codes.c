@@ -8,6 +8,7 @@
 #include <stdint.h>
 
 #include "codes.h"
+#include "memory.h"
 
 /* x [n, D] float32 -> codes [n, D / 2] (4 bits) or [n, D] (8 bits), scale [n] bfloat16, back [n, D] float32.
  * Returns 1, writing nothing, where D is beyond MAX_D, odd at 4 bits, or not a power of 2 with rotate. */

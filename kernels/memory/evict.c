@@ -11,6 +11,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "memory.h"
+
 typedef struct { float score; int64_t pos; int64_t index; } entry;
 
 static int beats(const entry *a, const entry *b) {

@@ -16,9 +16,7 @@
 #include <stdlib.h>
 
 #include "codes.h"
-
-int aaren_memory_evict(int rows, int C, int upto, int M, int num_sinks, const int64_t *pos, const float *score,
-                       int64_t *evict);
+#include "memory.h"
 
 /* k_prev, v_prev [B, Wp, Hkv, D] (bfloat16 when prev_bf16, else float32), k, v [B, T, Hkv, D] float32; pos_prev
  * [B, Wp], pos [B, T]; score_prev [B, Wp, Hkv], retention [B, T, Hkv]; the memory held (held = 0 or M entries):

@@ -35,7 +35,6 @@ KERNELS = Path(__file__).parent.parent
 SOURCES = tuple(KERNELS / name for name in (
     "aaren/step.c", "window/step.c", "window/rotate.c", "window/prefill.c", "window/chunk.c", "memory/evict.c",
     "memory/codes.c", "memory/prefill.c", "mixer/step.c", "mixer/prefill.c"))
-HEADERS = (KERNELS / "memory" / "codes.h", KERNELS / "vec8.h")  # the memory's codes; the 8-float vectors
 SIGNATURES = {"aaren_mixer_step": (ctypes.c_int, [ctypes.c_int] * 16 + [ctypes.c_float] + [ctypes.c_void_p] * 37),
               "aaren_mixer_prefill": (ctypes.c_int, [ctypes.c_int] * 21 + [ctypes.c_float, ctypes.c_void_p,
                                                                          ctypes.c_int64] + [ctypes.c_void_p] * 46),
@@ -46,7 +45,7 @@ MEMORY_PARTS = ("k", "v", "k_scale", "v_scale", "pos", "score")  # the state's m
 
 def library():
     """The compiled calls (ctypes), built on first use; None when disabled or when no compiler can build them."""
-    return load("mixer", SOURCES, SIGNATURES, "the PyTorch steps, about half as fast", HEADERS)
+    return load("mixer", SOURCES, SIGNATURES, "the PyTorch steps, about half as fast")
 
 
 def _float32_cpu(*tensors) -> bool:

@@ -21,38 +21,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../aaren/aaren.h"
 #include "../memory/codes.h"
-
-int aaren_branch_prefill(int B, int T, int H, int Hkv, int D, int J, int decay, float scale, const float *q,
-                         const float *k, const float *v, const uint8_t *keep, const float *queries,
-                         const float *log_decay, const float *decay_in, float *o, float *lse, float *s, float *out);
-int aaren_window_prefill(int B, int T, int Hkv, int D, int Wp, int W, int S, int bf16, int keep, int rot,
-                         const float *k, const float *cos, const float *sin, const float *v, const int64_t *pos,
-                         const void *k_prev, const void *v_prev, const int64_t *pos_prev, const float *score_prev,
-                         const float *retention, float *kr, float *vr, void *sink_k, void *sink_v,
-                         int64_t *sink_pos, void *new_k, void *new_v, int64_t *new_pos, float *new_score);
-int aaren_memory_prefill(int B, int Hkv, int D, int M, int held, int Wp, int T, int W, int S, int bits, int rotate,
-                         int prev_bf16, int keep, const void *k_prev, const void *v_prev, const float *k,
-                         const float *v, const int64_t *pos_prev, const int64_t *pos, const float *score_prev,
-                         const float *retention, const uint8_t *mem_k, const uint8_t *mem_v, const uint16_t *mem_ks,
-                         const uint16_t *mem_vs, const int64_t *mem_pos, const float *mem_score, float *cand_k,
-                         float *cand_v, int64_t *evict, int64_t *last, uint8_t *new_k, uint8_t *new_v,
-                         uint16_t *new_ks, uint16_t *new_vs, int64_t *new_pos, float *new_score);
-int aaren_window_queries(int B, int T, int H, int Hkv, int D, int S, int W, int rot, const float *q,
-                         const int64_t *qpos, const float *cos, const float *sin, const float *sink_k,
-                         const int64_t *sink_pos, const float *back_cos, const float *back_sin, float *qr,
-                         float *scores, uint8_t *seen);
-int aaren_window_attention_takes(int H, int Hkv, int D);
-int aaren_window_attention(int B, int T, int H, int Hkv, int D, int64_t Ls, int64_t P0, int W, int64_t C, int S,
-                           float scale, int threads, const float *q, const int64_t *qpos, const float *ks,
-                           const float *vs, const int64_t *spos, const float *mk, const float *mv,
-                           const int64_t *evict, const int64_t *last, const float *sink_s, const float *sink_v,
-                           const uint8_t *sink_seen, float *out);
-
-/* mixer/step.c's, which the decode step uses too */
-void aaren_retention_scores(int64_t n, int Hkv, int HJ, int rule, int share, const float *retention_in,
-                            const float *s, float *shared, float *retention);
-void aaren_gate_mix(int64_t n, int H, int D, const float *gate, int per_token, const float *aaren, float *out);
+#include "../memory/memory.h"
+#include "../window/window.h"
+#include "mixer.h"
 
 /* n rows of D values as float32 (from bfloat16 when bf16) */
 static void widen(const void *x, int bf16, int64_t n, float *out) {

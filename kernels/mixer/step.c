@@ -20,22 +20,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-int aaren_branch_step(int B, int H, int Hkv, int D, int J, int decay, float scale,
-                      const float *q, const float *k, const float *v, const uint8_t *keep,
-                      const float *queries, const float *log_decay, const float *decay_in,
-                      const float *o_in, const float *lse_in,
-                      float *o_new, float *lse_new, float *s, float *out);
-
-int aaren_window_step_takes(int H, int Hkv, int D, int rotate);
-int aaren_window_step(
-    int B, int H, int Hkv, int D, int rot, int W, int S, int M, int bf16, int bits, int rotate, float scale,
-    const float *q, const float *k, const float *v, const int64_t *pos,
-    const float *cos_t, const float *sin_t, const float *cos_s, const float *sin_s,
-    const void *win_k, const void *win_v, const int64_t *win_pos, const float *win_score,
-    void *sink_k, void *sink_v, int64_t *sink_pos,
-    void *mem_k, void *mem_v, uint16_t *mem_k_scale, uint16_t *mem_v_scale, int64_t *mem_pos, float *mem_score,
-    const float *retention,
-    float *out, void *new_win_k, void *new_win_v, int64_t *new_win_pos, float *new_win_score);
+#include "../aaren/aaren.h"
+#include "../window/window.h"
+#include "mixer.h"
 
 /* torch.lerp's formula: exact at both ends */
 static inline float lerp(float a, float b, float w) {

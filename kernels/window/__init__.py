@@ -20,10 +20,7 @@ from ..cbuild import as_bytes, dense, load
 
 __all__ = ["rotate_cpu", "window_attention_cpu", "window_cpu_takes", "window_prefill_cpu", "window_queries_cpu"]
 
-KERNELS = Path(__file__).parent.parent
 SOURCES = tuple(Path(__file__).parent / name for name in ("chunk.c", "rotate.c", "prefill.c"))
-# prefill.c's bfloat16 rounding; chunk.c's 8-float vectors
-HEADERS = (KERNELS / "memory" / "codes.h", KERNELS / "vec8.h")
 _ARGS = [ctypes.c_int] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_float,
                                                       ctypes.c_int] + [ctypes.c_void_p] * 12
 SIGNATURES = {"aaren_window_attention_takes": (ctypes.c_int, [ctypes.c_int] * 3),
@@ -35,7 +32,7 @@ SIGNATURES = {"aaren_window_attention_takes": (ctypes.c_int, [ctypes.c_int] * 3)
 
 
 def _library():
-    return load("window", SOURCES, SIGNATURES, "the PyTorch window attention", HEADERS)
+    return load("window", SOURCES, SIGNATURES, "the PyTorch window attention")
 
 
 def rotate_cpu(x, cos, sin):

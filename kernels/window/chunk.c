@@ -34,6 +34,7 @@
 #pragma GCC optimize("fp-contract=fast") /* products to fused multiply-adds, exp8's polynomial too */
 
 #include "../vec8.h"
+#include "window.h"
 
 #define QB 16  /* queries per block: each gathers QB + W - 1 window rows (its row tiles compute with those they see) */
 #define KT 32  /* keys per score tile (4 vectors) */
@@ -125,8 +126,6 @@ static inline void values(const float *P, int64_t ldp, const float *V, int D, in
     for (; d0 < D; d0 += 8) value_tile(P, ldp, V, D, k0, k1, d0, 1, O);
 }
 
-/* rotate.c's, built without fused multiply-adds: rotate_cpu's bits */
-int aaren_rotate(int64_t n, int H, int D, int rot, const float *x, const float *cos, const float *sin, float *out);
 
 /* A prompt's queries as the kernels take them, without gradients (the kernels take the sinks' scores computed, as
  * the Triton one does). Reference: _window_attention_fused and _sink_scores in modeling_aaren.py.

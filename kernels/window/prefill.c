@@ -15,8 +15,7 @@
 #include <string.h>
 
 #include "../memory/codes.h"
-
-int aaren_rotate(int64_t n, int H, int D, int rot, const float *x, const float *cos, const float *sin, float *out);
+#include "window.h"
 
 /* k, v [B, T, Hkv, D] float32 -> kr (k rotated by cos, sin [B, T, rot]), vr: rounded to bfloat16 and back when
  * bf16. The window held:

@@ -8,6 +8,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "window.h"
+
 /* out[n, h, :rot] = x * cos + rotate_half(x) * sin, out[n, h, rot:] = x (n tokens, H heads, width D; cos and sin
  * [n, rot] with equal halves, as rotary_angles gives them). Returns 1, writing nothing, for an odd rot or rot > D. */
 int aaren_rotate(int64_t n, int H, int D, int rot, const float *x, const float *cos, const float *sin, float *out) {

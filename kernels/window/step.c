@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "../memory/codes.h" /* MAX_D, bfloat16, 8-float vectors, the memory's codes */
+#include "window.h"
 
 #define MAX_G 16
 
