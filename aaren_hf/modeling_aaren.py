@@ -331,15 +331,18 @@ class Rotary:
         """x [B, T, h, D] rotated at the tokens' positions."""
         return rotate(x, self.pos, self.inv_freq, self.angles())
 
+    def _back(self, B: int, n: int):
+        """(positions [B, n], (cos, sin) [B, n, 1, rot]) with row i at -i."""
+        return self._at(("back", B, n), lambda: -torch.arange(n, device=self.pos.device).expand(B, -1))
+
     def back_angles(self, B: int, n: int):
         """(cos, sin) [B, n, 1, rot] with row i at -i."""
-        return self._at(("back", B, n), lambda: -torch.arange(n, device=self.pos.device).expand(B, -1))[1]
+        return self._back(B, n)[1]
 
     def turn_back(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, n, h, D] with row i turned back by i positions (rotated at -i)."""
-        B, n = x.shape[:2]
-        angles = self.back_angles(B, n)
-        return rotate(x, self._known[("back", B, n)][0], self.inv_freq, angles)
+        back, angles = self._back(*x.shape[:2])
+        return rotate(x, back, self.inv_freq, angles)
 
     def turn_on(self, edge: int):
         """(cos, sin) [B, T, 1, rot] at max(pos - edge, 0): a decode step turns the sink keys on by that."""
@@ -1287,7 +1290,7 @@ class AarenMixer(nn.Module):
         else:
             rotary = self.rotary(pos, shared)
             out = mixer_prefill_cpu(q, k, v, pos, mask, state, angles=rotary.angles(),
-                                    back_angles=rotary.back_angles(B, S + self.window) if S else rotary.angles(),
+                                    back_angles=rotary.back_angles(B, S + self.window) if S else None,
                                     stored=self.kv_cache_dtype or k.dtype, pool=shared, **args)
         if out is not None and share == 1:
             shared["retention"] = shared_retention

@@ -15,15 +15,14 @@ import torch
 
 import aaren_hf  # noqa: F401  (before transformers' model code: see the note in bench_decode.py)
 from aaren_hf.kernels import cbuild
+from test_bench_model import load_bench
 
 REPO = Path(__file__).resolve().parent.parent
 KERNELS = Path(cbuild.__file__).parent
 
 
 def load_script():
-    folder = str(REPO / "benchmarks")
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
+    load_bench()  # benchmarks/ on sys.path
     return importlib.import_module("compare_kernels")
 
 

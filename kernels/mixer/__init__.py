@@ -132,11 +132,12 @@ def mixer_prefill_cpu(q, k, v, pos, mask, state, *, queries, log_decay, decay_in
 
     Aaren branch (``queries`` [H, J, D], None without one): ``log_decay`` [H, J] or None, ``decay_in`` [B, T, H*J]
     (``decay_proj(x)``) with input decay. ``angles``: (cos, sin) [B, T, 1, rot] at the tokens' positions,
-    ``back_angles`` the same [B, S + window, 1, rot] at 0, -1, ... (``Rotary``). Memory (``memory_size`` > 0, of
-    ``bits``-bit codes): ``retention`` [B, T, Hkv] (``retention_proj(x)``) with ``rule`` "learned"; ``share`` 1
-    writes this layer's best score to ``shared_retention`` [B, T, 1], 2 ranks by the larger of its own and that
-    one. ``gate``: the window gate's logits, [H] or [B, T, H]. ``stored``: the cache's dtype (float32 or bfloat16).
-    ``pool``: a dict the layers of one pass share (the call keeps its scratch there, grown as needed), or None.
+    ``back_angles`` the same [B, S + window, 1, rot] at 0, -1, ... (``Rotary``; None without sinks). Memory
+    (``memory_size`` > 0, of ``bits``-bit codes): ``retention`` [B, T, Hkv] (``retention_proj(x)``) with ``rule``
+    "learned"; ``share`` 1 writes this layer's best score to ``shared_retention`` [B, T, 1], 2 ranks by the larger
+    of its own and that one. ``gate``: the window gate's logits, [H] or [B, T, H]. ``stored``: the cache's dtype
+    (float32 or bfloat16). ``pool``: a dict the layers of one pass share (the call keeps its scratch there, grown as
+    needed), or None.
 
     Returns the mixed output [B, T, H, D] float32; None, touching nothing, where the kernel does not apply: gradients
     wanted, not CPU float32, a float16 cache, a memory without codes, a head size or grouping beyond the kernels'.
@@ -151,7 +152,7 @@ def mixer_prefill_cpu(q, k, v, pos, mask, state, *, queries, log_decay, decay_in
     carried = [None, None] if not J or state is None or state.aaren_o is None else [state.aaren_o, state.aaren_lse]
     if (torch.is_grad_enabled() or mask.dtype != torch.bool or pos.dtype != torch.int64 or window < 2
             or stored not in (torch.float32, torch.bfloat16) or H % Hkv or (M > 0 and bits not in (4, 8))
-            or not _float32_cpu(q, k, v, queries, log_decay, decay_in, retention, gate, *angles, *back_angles,
+            or not _float32_cpu(q, k, v, queries, log_decay, decay_in, retention, gate, *angles, *(back_angles or ()),
                                 *carried)
             or (continuing and (state.window_k.dtype != stored or state.sink_k.dtype != stored
                           or (J and state.aaren_o is None) or (M > 0 and state.window_score is None)))
@@ -166,9 +167,10 @@ def mixer_prefill_cpu(q, k, v, pos, mask, state, *, queries, log_decay, decay_in
         win = [state.window_k, state.window_v, state.window_pos, state.window_score if M > 0 else None]
         old_sinks = [state.sink_k, state.sink_v, state.sink_pos]
     # held here until the call returns: a contiguous copy made on the way would otherwise be freed before it
+    turns = [t[0] for t in back_angles] if back_angles else [None, None]  # the same rows in every sequence
     ins = [None if t is None else dense(t) for t in (
         q, k, v, pos, mask.view(torch.uint8), queries, log_decay if DECAYS[decay] else None,
-        decay_in if DECAYS[decay] == 2 else None, *carried, *angles, *(t[0] for t in back_angles), *win, *old_sinks,
+        decay_in if DECAYS[decay] == 2 else None, *carried, *angles, *turns, *win, *old_sinks,
         *(memory or [None] * 6), retention, shared_retention, gate)]
     keep = state is not None
     out = torch.empty(B, T, H, D)

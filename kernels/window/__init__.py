@@ -64,11 +64,10 @@ def window_queries_cpu(q, qpos, angles, sink_k, sink_pos, back_angles, window: i
     no compiler)."""
     B, T, H, D = q.shape
     S, Hkv = sink_k.shape[1], sink_k.shape[2]
-    if back_angles is None:
-        back_angles = angles if S == 0 else None
-    if (back_angles is None or (torch.is_grad_enabled() and (q.requires_grad or sink_k.requires_grad))
-            or any(t.device.type != "cpu" for t in (q, sink_k, *angles, *back_angles))
-            or any(t.dtype != torch.float32 for t in (q, *angles, *back_angles)) or qpos.dtype != torch.int64):
+    turns = back_angles or ()
+    if ((S > 0 and back_angles is None) or (torch.is_grad_enabled() and (q.requires_grad or sink_k.requires_grad))
+            or any(t.device.type != "cpu" for t in (q, sink_k, *angles, *turns))
+            or any(t.dtype != torch.float32 for t in (q, *angles, *turns)) or qpos.dtype != torch.int64):
         return None
     lib = _library()
     if lib is None:
@@ -76,9 +75,10 @@ def window_queries_cpu(q, qpos, angles, sink_k, sink_pos, back_angles, window: i
     rot = angles[0].shape[-1]
     # held until the call returns: a contiguous copy made inside the call's arguments would be freed before it runs
     ins = [dense(t.detach()) for t in (q, qpos, *angles, sink_k.float(), sink_pos)]
-    ins += [dense(t[0]) for t in back_angles]  # the same rows in every sequence
+    ins += [dense(t[0]) for t in turns] or [None, None]  # the same rows in every sequence
     qr, scores, seen = torch.empty(q.shape), torch.empty(B, T, H, S), torch.empty(B, T, S, dtype=torch.uint8)
-    if lib.aaren_window_queries(B, T, H, Hkv, D, S, window, rot, *(t.data_ptr() for t in ins + [qr, scores, seen])):
+    pointers = (None if t is None else t.data_ptr() for t in ins + [qr, scores, seen])
+    if lib.aaren_window_queries(B, T, H, Hkv, D, S, window, rot, *pointers):
         return None
     return qr, scores, seen
 

@@ -330,6 +330,7 @@ static void weights(const job *j, buffers *m, const block *k_) {
          * token, the memory candidates c (key kw + n) with c <= last[t] < evict[c], the sinks it sees */
         int32_t *seen = m->seen + (int64_t)i * ld;
         int64_t t = k_->t0 + i, stream = j->P0 + t, lt = C > 0 ? j->last[t] : -1;
+        if (j->qpos[(int64_t)k_->b * T + t] < 0) continue; /* padding: its rows are zeros below, seeing nothing */
         v8i32 iota = {0, 1, 2, 3, 4, 5, 6, 7};
         int32_t lo = (int32_t)(stream - W + 1 - k_->w0), hi = (int32_t)(stream - k_->w0), l32 = (int32_t)lt;
         for (int k = 0; k < Kp; k += 8) {
