@@ -74,7 +74,10 @@ static inline __attribute__((always_inline)) void score_tile(const float *Q, int
     for (int d = 0; d < D; d++) {
         const float *kt = Kt + (int64_t)d * ldk + k0;
         v8f kv[4];
-        for (int n = 0; n < nk; n++) kv[n] = load8(kt + 8 * n);
+        for (int n = 0; n < nk; n++) {
+            kv[n] = load8(kt + 8 * n);
+            IN_REGISTER(kv[n]);
+        }
         for (int r = 0; r < RT; r++) {
             v8f qv = splat8(Q[(int64_t)r * D + d]);
             for (int n = 0; n < nk; n++) acc[r][n] += qv * kv[n];
@@ -104,6 +107,10 @@ static inline void value_tile(const float *P, int64_t ldp, const float *V, int D
         const float *vk = V + (int64_t)k * D + d0;
         if (nv == 4) {
             v8f v_0 = load8(vk), v_1 = load8(vk + 8), v_2 = load8(vk + 16), v_3 = load8(vk + 24);
+            IN_REGISTER(v_0);
+            IN_REGISTER(v_1);
+            IN_REGISTER(v_2);
+            IN_REGISTER(v_3);
             for (int r = 0; r < RT; r++) {
                 v8f p = splat8(P[r * ldp + k]);
                 acc[r][0] += p * v_0;
