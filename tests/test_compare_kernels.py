@@ -104,10 +104,17 @@ def test_what_it_cannot_compare_is_refused_with_a_reason(tmp_path):
     narrower = compare.wrappers_at(kernels_copy(tmp_path / "narrower", {"mixer/__init__.py": (
         "scale, stored,\n                      pool=None):", "scale, stored):")}), model_code)
     ids = torch.randint(3, 200, (1, 40), generator=torch.Generator().manual_seed(0))
-    with pytest.raises(SystemExit, match="take other arguments than this checkout's model passes"):
+    with pytest.raises(SystemExit, match="mixer_prefill_cpu does not take the arguments this checkout's model"):
         with torch.no_grad(), compare.serving(model_code, narrower):
             student(input_ids=ids, use_cache=True)
     assert model_code.mixer_prefill_cpu is not narrower["mixer_prefill_cpu"]  # restored on the way out
+    # a TypeError from inside a kernel that takes the arguments is that error, not "other arguments"
+    failing = compare.wrappers_at(kernels_copy(tmp_path / "failing", {"mixer/__init__.py": (
+        "    B, T, Hkv, D = k.shape\n    H, S, M = q.shape[2], sinks, memory_size",
+        "    raise TypeError('inside the kernel')")}), model_code)
+    with pytest.raises(TypeError, match="inside the kernel"):
+        with torch.no_grad(), compare.serving(model_code, failing):
+            student(input_ids=ids, use_cache=True)
     if shutil.which("git") is not None:
         with pytest.raises(SystemExit, match="a revision that exists"):
             compare.kernels_at("no-such-revision-here", tmp_path)
