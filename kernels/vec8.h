@@ -26,10 +26,9 @@ static inline void store8(float *p, v8f x) { memcpy(p, &x, sizeof(x)); }
 static inline v8f splat8(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
 
 /* x held in a register: where a loop reads one loaded vector for several rows, GCC folds the load into each
- * multiply-add as a memory operand, and the loads (two a cycle), not the multiply-adds, bound the loop. Only with
- * AVX-512's 32 registers: with 16, a tile's accumulators and its vectors do not fit, and the folded loads are the
- * better code. Changes no result. */
-#ifdef __AVX512VL__
+ * multiply-add as a memory operand, and the loads (two a cycle), not the multiply-adds, bound the loop. The loop's
+ * vectors must then fit the registers (window/chunk.c sizes its tiles so). Changes no result. */
+#ifdef __AVX__
 #define IN_REGISTER(x) __asm__("" : "+v"(x))
 #else
 #define IN_REGISTER(x) ((void)0)
