@@ -77,7 +77,8 @@ static inline void transpose8(const float *const rows[8], int D, float *out, int
 static inline __attribute__((always_inline)) void score_tile(const float *Q, int D, const float *Kt, int64_t ldk,
                                                              int k0, int nk, float *S, int64_t lds) {
     v8f acc[RT][TV];
-    memset(acc, 0, sizeof(acc));
+    for (int r = 0; r < RT; r++)
+        for (int n = 0; n < nk; n++) acc[r][n] = splat8(0.0f); /* in registers: a memset went through the stack */
     for (int d = 0; d < D; d++) {
         const float *kt = Kt + (int64_t)d * ldk + k0;
         v8f kv[TV];
