@@ -33,8 +33,8 @@ from .configuration_aaren import AarenConfig
 try:  # Triton kernels on CUDA and the C kernels on CPUs, when this package is installed; the PyTorch code in this
     # file serves everywhere else (a checkpoint's own copy of it: nothing else to install)
     from aaren_hf.kernels import (WINDOW_BLOCK, chunk_aaren, fused_aaren_step, fused_chunk_aaren_mixed,
-                                  fused_memory_round, fused_recurrent_aaren, fused_window_attention, fused_window_step,
-                                  select_backend)
+                                  fused_memory_evict, fused_memory_round, fused_recurrent_aaren,
+                                  fused_window_attention, fused_window_step, select_backend)
     from aaren_hf.kernels.aaren import aaren_prefill_cpu
     from aaren_hf.kernels.memory import memory_evict_cpu, memory_prefill_cpu, memory_round_cpu
     from aaren_hf.kernels.mixer import mixer_prefill_cpu, mixer_step_cpu
@@ -45,7 +45,8 @@ except ImportError:
     aaren_prefill_cpu = memory_evict_cpu = memory_prefill_cpu = memory_round_cpu = None
     mixer_prefill_cpu = mixer_step_cpu = None
     rotate_cpu = window_attention_cpu = window_queries_cpu = None
-    fused_aaren_step = fused_chunk_aaren_mixed = fused_memory_round = fused_window_attention = None
+    fused_aaren_step = fused_chunk_aaren_mixed = fused_memory_evict = fused_memory_round = None
+    fused_window_attention = None
     fused_window_step = window_cpu_takes = window_prefill_cpu = None
 
 
@@ -845,7 +846,9 @@ def _evict_sweep(cand_pos, cand_score, real, upto, M, block, pairs):
     """:func:`memory_visibility`'s evict (C where never evicted or after ``upto``) by the block sweep: each block
     ranks the top set before it (the M best real candidates so far, which a top-M over the candidates' order gives
     for every block at once) and its own candidates against each other, as many blocks per pass as keep the
-    comparisons (and the candidates the top sets are chosen from) within ``pairs``."""
+    comparisons (and the candidates the top sets are chosen from) within ``pairs``. Where Triton serves, one launch
+    ranks a pass's blocks (``fused_memory_evict``, kernels/memory/evict.py) with no comparison tensors in memory, so
+    only the top sets count against ``pairs``."""
     B, Hkv, C = cand_pos.shape
     at_once = max(1, pairs // (B * Hkv * max((M + block) ** 2, C + 1)))
     device = cand_pos.device
@@ -857,15 +860,21 @@ def _evict_sweep(cand_pos, cand_score, real, upto, M, block, pairs):
     rank = F.pad(torch.where(real, rank, -1), (0, 1), value=-1)
     evict = torch.full((B, Hkv, C + 1), C, dtype=torch.long, device=device)
     K, n_blocks = min(M, C), -(-upto // block)
+    kernel = takes_triton(fused_memory_evict, rank)
+    if kernel:
+        at_once = max(1, pairs // (B * Hkv * (C + 1)))
     for first in range(0, n_blocks, at_once):
         e0 = torch.arange(first, min(first + at_once, n_blocks), device=device).view(-1, 1) * block  # [n, 1]
         # the top set before each block: the K highest ranks among the candidates before its first (none: column C)
         earlier = torch.arange(C + 1, device=device) < e0  # [n, C + 1]
         top_rank, top = torch.where(earlier, rank.unsqueeze(2), -1).topk(K, dim=-1)  # [B, Hkv, n, K]
+        top = torch.where(top_rank >= 0, top, C)
+        if kernel:
+            fused_memory_evict(rank, top, evict, first * block, block, upto, M)
+            continue
         new = e0 + torch.arange(block, device=device)
         # [B, Hkv, n, K + block]: each block's top set, then the block
-        cand = torch.cat([torch.where(top_rank >= 0, top, C), torch.where(new < upto, new, C).expand(B, Hkv, -1, -1)],
-                         -1)
+        cand = torch.cat([top, torch.where(new < upto, new, C).expand(B, Hkv, -1, -1)], -1)
         r = rank.gather(-1, cand.flatten(2)).view(cand.shape)
         beats = (r.unsqueeze(-1) > r.unsqueeze(-2)) & (r.unsqueeze(-1) >= 0)  # [..., d, c]: d ranks above c
         # above[e, c]: how many of (top set, block up to e) rank above c. Exact for the top set; for a block member

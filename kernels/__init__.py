@@ -5,7 +5,8 @@ device) and its decode step in Triton (``window/fused_recurrent.py``, ``fused_wi
 ``AarenMixer.window_step``, likewise); the scan with the slots mixed (``fused_chunk_aaren_mixed``; reference:
 ``aaren_scan.chunk_aaren_mixed``, likewise) and the Aaren branch's decode step (``fused_aaren_step``; reference:
 ``AarenMixer.aaren_output``, likewise); the memory's codes in Triton (``memory/codes.py``, ``fused_memory_round``;
-reference: ``MemoryCodes.round_with_codes``, likewise).
+reference: ``MemoryCodes.round_with_codes``, likewise) and its ranking sweep's blocks (``memory/evict.py``,
+``fused_memory_evict``; reference: the loop of ``_evict_sweep``, likewise).
 
     o, final_state = chunk_aaren(s, v, g=None, initial_state=None, output_final_state=False, cu_seqlens=None,
                                  chunk_size=64)
@@ -153,3 +154,12 @@ def fused_memory_round(x, bits, rotate):
     from .memory.codes import memory_round_triton
 
     return memory_round_triton(x, bits, rotate)
+
+
+def fused_memory_evict(rank, top, evict, e_first, block, upto, memory_size):
+    """One pass of the memory's ranking sweep in one Triton launch (``memory/evict.py``; reference: the loop of
+    ``_evict_sweep`` in modeling_aaren.py), ``evict`` written in place. Callers check ``select_backend(rank) ==
+    "triton"`` first."""
+    from .memory.evict import memory_evict_triton
+
+    return memory_evict_triton(rank, top, evict, e_first, block, upto, memory_size)

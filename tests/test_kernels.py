@@ -673,6 +673,31 @@ def test_memory_codes_kernel_is_the_reference_bit_for_bit(bits, rotate, monkeypa
     assert memory_round_triton(torch.randn(3, 6), bits, rotate) is None  # not a power of 2: the reference's
 
 
+@needs_triton
+def test_memory_ranking_kernel_gives_the_sweeps_indices(monkeypatch):
+    """The ranking sweep's passes in Triton (kernels/memory/evict.py) against the PyTorch sweep: the same evict
+    indices, exactly (a candidate that never enters leaves at its own index), over several hundred candidates with
+    padding, tied scores and the last ones after ``upto``; blocks of M and of 37, in one pass and in several (the
+    kernel's e_first). The brute-force test in test_model.py checks what queries see through it."""
+    import aaren_hf.modeling_aaren as modeling
+
+    gen = torch.Generator().manual_seed(0)
+    ran = []
+    monkeypatch.setattr(modeling, "fused_memory_evict", lambda *a: ran.append(1) or K.fused_memory_evict(*a))
+    for B, Hkv, C, M, block, passes in ((1, 3, 700, 48, 64, 1), (2, 2, 301, 20, 37, 3)):
+        pos = torch.arange(C).expand(B, Hkv, C) - 3  # three padding candidates first
+        score = (torch.randn(B, Hkv, C, generator=gen) * 2).round() / 64  # many ties
+        sweep = lambda launch_bound: modeling._evict_sweep(  # noqa: E731
+            pos, score, pos >= 0, C - 10, M, block, B * Hkv * (C + 1) * math.ceil(C / block / passes))
+        monkeypatch.setattr(modeling, "launch_bound", lambda device: False)
+        want = sweep(False)
+        monkeypatch.setattr(modeling, "launch_bound", lambda device: True)
+        n = len(ran)
+        got = sweep(True)
+        assert len(ran) - n == passes
+        assert torch.equal(got, want), (B, Hkv, C, M, block)
+
+
 @pytest.mark.requires_gpu
 def test_gpu_memory_codes_kernel_is_the_reference_bit_for_bit():
     """The compiled kernel against the reference on the same GPU: codes, scales and values bit for bit (correctly
@@ -760,7 +785,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 from aaren_hf.kernels.aaren import chunk, fused_recurrent
-from aaren_hf.kernels.memory import codes as memory_codes
+from aaren_hf.kernels.memory import codes as memory_codes, evict as memory_evict
 from aaren_hf.kernels.window import chunk as window_chunk, fused_recurrent as window_step
 
 def aot(fn, sig, consts, **options):
@@ -804,6 +829,8 @@ for consts, mem in ((c, "*u8"), (dict(c, D=128, BD=128, LOG_BD=7, G=4, H=12, BIT
 for bits, codes in ((4, "*u8"), (8, "*i8")):
     aot(memory_codes._round_kernel, dict(x=P, back=P, codes=codes, scale=B, N="i64"),
         dict(D=64, LOG_D=6, BITS=bits, ROTATE=bits == 4, BN=64), num_warps=4, num_stages=1)
+aot(memory_evict._evict_block_kernel, dict(rank=I, top=I, evict=I, C="i32", K="i32", n="i32", e_first="i32",
+                                           block="i32", upto="i32", M="i32"), dict(BP=512, XB=32, DB=64))
 """
 
 

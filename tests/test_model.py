@@ -18,6 +18,7 @@ from aaren_hf.aaren_scan import chunk_aaren_torch, recurrent_aaren_torch
 from aaren_hf import modeling_aaren as modeling
 from aaren_hf.configuration_aaren import AAREN_FORMAT_VERSION
 from aaren_hf.kernels import memory as memory_kernel
+from aaren_hf.kernels import triton_available
 from aaren_hf.modeling_aaren import AarenLayerState, AarenMixer, memory_seen, memory_visibility
 from helpers import (
     MIXER_CASES,
@@ -855,20 +856,29 @@ def test_memory_blocks_in_runs_give_the_one_call_answer(monkeypatch):
         torch.testing.assert_close(mine.grad.double(), ref.grad, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("ranking", ["sweep", "c"])
+@pytest.mark.parametrize("ranking", ["sweep", "c", "triton"])
 def test_memory_visibility_equals_ranking_every_query_by_brute_force(ranking, monkeypatch):
     """The ranking behind the memory against its definition: each query sees, per kv head, the M best (score, then
     newer) real candidates that have left its window. Held entries first (some empty), left padding, sinks, scores
     with many ties. "sweep": the PyTorch reference (blocks ranked against the top set before them, never C x C),
     blocks of 1 to 8 candidates, 1 to 3 of them per pass; "c": the heap of kernels/memory/evict.c, which serves
-    CPUs."""
-    if ranking == "sweep":
+    CPUs; "triton": the sweep as a GPU runs it, each pass's blocks ranked by kernels/memory/evict.py (Triton's
+    interpreter)."""
+    ran = []
+    if ranking in ("sweep", "triton"):
         monkeypatch.setattr(modeling, "memory_evict_cpu", None)
     elif modeling.memory_evict_cpu is None or memory_kernel.memory_evict_cpu(
             torch.zeros(1, 1, 1, dtype=torch.long), torch.zeros(1, 1, 1), 1, 0, 1) is None:
         pytest.skip("no C compiler: the sweep serves CPUs too")
+    if ranking == "triton":
+        if modeling.fused_memory_evict is None or not triton_available():
+            pytest.skip("triton is not installed")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        monkeypatch.setattr(modeling, "launch_bound", lambda device: True)
+        kernel = modeling.fused_memory_evict
+        monkeypatch.setattr(modeling, "fused_memory_evict", lambda *a: ran.append(1) or kernel(*a))
     g = torch.Generator().manual_seed(0)
-    for trial in range(60):
+    for trial in range(30 if ranking == "triton" else 60):  # the interpreter takes a quarter second a pass
         B, Hkv = 2, 2
         T, P = int(torch.randint(1, 30, (1,), generator=g)), int(torch.randint(0, 5, (1,), generator=g))
         first = int(torch.randint(0, 6, (1,), generator=g))
@@ -879,8 +889,9 @@ def test_memory_visibility_equals_ranking_every_query_by_brute_force(ranking, mo
         pos[0, :, first : first + 2] = -1  # left padding
         score = torch.randint(0, 4, (B, Hkv, C), generator=g).float() / 64
         block = int(torch.randint(1, 9, (1,), generator=g))
-        monkeypatch.setattr(modeling, "SWEEP_PAIRS", int(torch.randint(1, 4, (1,), generator=g)) * B * Hkv
-                            * max((M + block) ** 2, C + 1))  # 1 to 3 blocks per pass
+        pairs = int(torch.randint(1, 4, (1,), generator=g)) * B * Hkv * max((M + block) ** 2, C + 1)
+        monkeypatch.setattr(modeling, "SWEEP_PAIRS", pairs)  # 1 to 3 blocks per pass
+        monkeypatch.setattr(modeling, "SWEEP_PAIRS_GPU", pairs)  # the kernel's passes hold more
         last, evict = memory_visibility(pos, score, first, W, S, M, T, block=block)
         got = memory_seen(evict, last)  # [B, Hkv, T + 1, C]
         want = torch.zeros_like(got)
@@ -892,6 +903,7 @@ def test_memory_visibility_equals_ranking_every_query_by_brute_force(ranking, mo
                     eligible.sort(key=lambda c: (float(score[b, h, c]), int(pos[b, h, c])), reverse=True)
                     want[b, h, i, eligible[:M]] = True
         assert torch.equal(got, want), (trial, T, P, first, W, S, M, block)
+    assert bool(ran) == (ranking == "triton")
 
 
 @pytest.mark.parametrize("backend", ["c", "torch"])

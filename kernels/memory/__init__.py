@@ -1,6 +1,7 @@
 """The memory tier's kernels; ``modeling_aaren.py`` holds the reference, which runs wherever they do not (no
-compiler, ``AAREN_BACKEND=torch``, a checkpoint's own copy of the code; the ranking on CUDA). On a GPU, the codes in
-Triton (``codes.py``: ``fused_memory_round`` in ``aaren_hf.kernels``, and the decode step's coding). On a CPU, in C:
+compiler, ``AAREN_BACKEND=torch``, a checkpoint's own copy of the code). On a GPU, in Triton: the codes
+(``codes.py``: ``fused_memory_round`` in ``aaren_hf.kernels``, and the decode step's coding) and the ranking sweep's
+blocks (``evict.py``: ``fused_memory_evict``). On a CPU, in C:
 
 - ``memory_evict_cpu`` (``evict.c``): when each candidate leaves the memory, for ``memory_visibility``, whose block
   sweep is the reference. Same indices, exactly (tests/test_model.py runs the brute-force check on both); a heap per

@@ -1,0 +1,62 @@
+# Copyright 2026 The aaren-hf authors. Apache-2.0.
+"""The memory's ranking sweep in Triton, for a GPU: the inner step of ``_evict_sweep`` in aaren_hf/modeling_aaren.py
+(the reference; ``evict.c`` is the CPU's heap). Given the candidates' ranks and, per block of candidates, the top set
+before it (the M best real candidates so far, which one top-K over the ranks gives for every block at once), each
+program (block, row) finds where the members of its top set and of its block drop out of the top set:
+
+    above(x, e) = #{d in top set: rank d > rank x} + #{d in block, d <= e: rank d > rank x}
+    x leaves at the first e with above(x, e) >= M (never before x itself enters)
+
+The reference builds [blocks, M + block, M + block] comparisons and their running sums (a gigabyte at a 32K-token
+piece) in about twenty operators; here they stay in registers, one launch. Each candidate drops out in one block
+at most, so no two programs write one entry: the same indices as the reference, exactly.
+"""
+
+import triton
+import triton.language as tl
+
+from ..aaren.chunk import _ADD, get_kernel
+
+XB = 32  # candidates ranked at a time
+DB = 64  # top-set members compared at a time
+
+
+def _evict_block_kernel(rank, top, evict, C, K, n, e_first, block, upto, M,
+                        BP: tl.constexpr, XB: tl.constexpr, DB: tl.constexpr):
+    i_n = tl.program_id(0)  # which block of this pass
+    row = tl.program_id(1)  # (sequence, kv head)
+    e0 = e_first + i_n * block
+    ranks = rank + row.to(tl.int64) * (C + 1)  # column C: -1, an empty slot
+    leaves = evict + row.to(tl.int64) * (C + 1)
+    tops = top + (row.to(tl.int64) * n + i_n) * K
+    j = tl.arange(0, BP)
+    in_block = j < block
+    r_block = tl.load(ranks + e0 + j, mask=in_block & (e0 + j < upto), other=-1)
+    for x0 in range(0, K + block, XB):
+        xs = x0 + tl.arange(0, XB)
+        idx = tl.load(tops + xs, mask=xs < K, other=C)
+        idx = tl.where(xs < K, idx, tl.where((xs < K + block) & (e0 + xs - K < upto), e0 + xs - K, C))
+        r_x = tl.load(ranks + idx)
+        above = tl.full([XB], 0, tl.int32)
+        for d0 in range(0, K, DB):
+            ds = d0 + tl.arange(0, DB)
+            r_d = tl.load(ranks + tl.load(tops + ds, mask=ds < K, other=C))
+            above += tl.reduce((r_d[None, :] > r_x[:, None]).to(tl.int32), 1, _ADD)
+        running = tl.associative_scan((r_block[None, :] > r_x[:, None]).to(tl.int32), 1, _ADD)  # [XB, BP]
+        # how many of the block's positions x stays through (above grows with e)
+        stays = tl.reduce(((above[:, None] + running < M) & in_block[None, :]).to(tl.int32), 1, _ADD)
+        tl.store(leaves + idx, tl.maximum(e0 + stays, idx), mask=(stays < block) & (idx < C))
+
+
+def memory_evict_triton(rank, top, evict, e_first: int, block: int, upto: int, M: int):
+    """``_evict_sweep``'s pass over blocks e_first, e_first + block, ...: rank [B, Hkv, C + 1] (the candidates' order,
+    higher above; -1 for those that are not real and for column C), top [B, Hkv, n, K] (each block's top set as
+    candidate indices, C for an empty slot), evict [B, Hkv, C + 1] written in place where a candidate leaves."""
+    B, Hkv, n, K = top.shape
+    C = rank.shape[-1] - 1
+    rank, top = rank.contiguous(), top.contiguous()
+    assert evict.is_contiguous() and evict.shape == rank.shape
+    BP = triton.next_power_of_2(block)
+    get_kernel(_evict_block_kernel, key=("BP",))[(n, B * Hkv)](
+        rank, top, evict, C, K, n, e_first, block, upto, M, BP=BP, XB=XB, DB=DB)
+    return evict
