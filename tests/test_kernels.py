@@ -698,6 +698,37 @@ def test_memory_ranking_kernel_gives_the_sweeps_indices(monkeypatch):
         assert torch.equal(got, want), (B, Hkv, C, M, block)
 
 
+def _ranking_on(device, C, monkeypatch):
+    """(the sweep's evict on ``device`` as the model runs it there, the C heap's or else the CPU sweep's) for
+    SmolLM2's memory (3 kv heads, M = 448, one sink) over C candidates, the last 63 after ``upto``."""
+    import aaren_hf.modeling_aaren as modeling
+    from aaren_hf.kernels.memory import memory_evict_cpu
+
+    pos = torch.arange(C).expand(1, 3, C) - 1  # one padding candidate first
+    score = modeling.round_retention(torch.randn(1, 3, C, generator=torch.Generator().manual_seed(0)))
+    real, upto, M = pos >= 1, C - 63, 448
+    want = memory_evict_cpu(pos, score, upto, 1, M)
+    if want is None:  # no C compiler: the CPU's sweep
+        with monkeypatch.context() as m:
+            m.setattr(modeling, "launch_bound", lambda d: False)
+            want = modeling._evict_sweep(pos, score, real, upto, M, *modeling.sweep_plan(1, 3, M, pos.device))
+    ran = []
+    kernel = modeling.fused_memory_evict
+    monkeypatch.setattr(modeling, "fused_memory_evict", lambda *a: ran.append(1) or kernel(*a))
+    got = modeling._evict_sweep(pos.to(device), score.to(device), real.to(device), upto, M,
+                                *modeling.sweep_plan(1, 3, M, torch.device(device)))
+    assert ran
+    return torch.where(real, got.cpu(), -1), torch.where(real, want, -1)
+
+
+@pytest.mark.requires_gpu
+def test_gpu_memory_ranking_kernel_gives_the_cpu_heaps_indices(monkeypatch):
+    """The compiled ranking kernel on CUDA, a 32K-token piece at SmolLM2's memory shape in one pass, against the C
+    heap on the CPU: the same evict indices."""
+    got, want = _ranking_on("cuda", 32768 + 64, monkeypatch)
+    assert torch.equal(got, want)
+
+
 @pytest.mark.requires_gpu
 def test_gpu_memory_codes_kernel_is_the_reference_bit_for_bit():
     """The compiled kernel against the reference on the same GPU: codes, scales and values bit for bit (correctly
