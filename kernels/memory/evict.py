@@ -17,8 +17,8 @@ import triton.language as tl
 
 from ..aaren.chunk import _ADD, get_kernel
 
-XB = 32  # candidates ranked at a time
 DB = 64  # top-set members compared at a time
+TILE = 16384  # running sums held at once, [candidates, block]: 32 candidates at M = 448, fewer for a larger M
 
 
 def _evict_block_kernel(rank, top, evict, C, K, n, e_first, block, upto, M,
@@ -58,5 +58,5 @@ def memory_evict_triton(rank, top, evict, e_first: int, block: int, upto: int, M
     assert evict.is_contiguous() and evict.shape == rank.shape
     BP = triton.next_power_of_2(block)
     get_kernel(_evict_block_kernel, key=("BP",))[(n, B * Hkv)](
-        rank, top, evict, C, K, n, e_first, block, upto, M, BP=BP, XB=XB, DB=DB)
+        rank, top, evict, C, K, n, e_first, block, upto, M, BP=BP, XB=max(2, min(32, TILE // BP)), DB=DB)
     return evict
