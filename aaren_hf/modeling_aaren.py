@@ -850,7 +850,8 @@ def _evict_sweep(cand_pos, cand_score, real, upto, M, block, pairs):
     ranks a pass's blocks (``fused_memory_evict``, kernels/memory/evict.py) with no comparison tensors in memory, so
     only the top sets count against ``pairs``."""
     B, Hkv, C = cand_pos.shape
-    at_once = max(1, pairs // (B * Hkv * max((M + block) ** 2, C + 1)))
+    kernel = takes_triton(fused_memory_evict, cand_pos)
+    at_once = max(1, pairs // (B * Hkv * (C + 1 if kernel else max((M + block) ** 2, C + 1))))
     device = cand_pos.device
     # rank: the candidates' order by score, then position (the newer above), as numbers, the higher above; -1 for
     # those that are not real and for column C, an empty slot of a top set
@@ -860,9 +861,6 @@ def _evict_sweep(cand_pos, cand_score, real, upto, M, block, pairs):
     rank = F.pad(torch.where(real, rank, -1), (0, 1), value=-1)
     evict = torch.full((B, Hkv, C + 1), C, dtype=torch.long, device=device)
     K, n_blocks = min(M, C), -(-upto // block)
-    kernel = takes_triton(fused_memory_evict, rank)
-    if kernel:
-        at_once = max(1, pairs // (B * Hkv * (C + 1)))
     for first in range(0, n_blocks, at_once):
         e0 = torch.arange(first, min(first + at_once, n_blocks), device=device).view(-1, 1) * block  # [n, 1]
         # the top set before each block: the K highest ranks among the candidates before its first (none: column C)
