@@ -687,11 +687,13 @@ def test_memory_ranking_kernel_gives_the_sweeps_indices(monkeypatch):
     for B, Hkv, C, M, block, passes in ((1, 3, 700, 48, 64, 1), (2, 2, 301, 20, 37, 3)):
         pos = torch.arange(C).expand(B, Hkv, C) - 3  # three padding candidates first
         score = (torch.randn(B, Hkv, C, generator=gen) * 2).round() / 64  # many ties
-        sweep = lambda launch_bound: modeling._evict_sweep(  # noqa: E731
-            pos, score, pos >= 0, C - 10, M, block, B * Hkv * (C + 1) * math.ceil(C / block / passes))
-        monkeypatch.setattr(modeling, "launch_bound", lambda device: False)
+
+        def sweep(as_gpu: bool):
+            monkeypatch.setattr(modeling, "launch_bound", lambda device: as_gpu)
+            return modeling._evict_sweep(pos, score, pos >= 0, C - 10, M, block,
+                                         B * Hkv * (C + 1) * math.ceil(C / block / passes))
+
         want = sweep(False)
-        monkeypatch.setattr(modeling, "launch_bound", lambda device: True)
         n = len(ran)
         got = sweep(True)
         assert len(ran) - n == passes
