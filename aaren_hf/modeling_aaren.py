@@ -33,7 +33,7 @@ from .configuration_aaren import AarenConfig
 try:  # Triton kernels on CUDA and the C kernels on CPUs, when this package is installed; the PyTorch code in this
     # file serves everywhere else (a checkpoint's own copy of it: nothing else to install)
     from aaren_hf.kernels import (WINDOW_BLOCK, chunk_aaren, fused_aaren_step, fused_chunk_aaren_mixed,
-                                  fused_memory_evict, fused_memory_round, fused_recurrent_aaren,
+                                  fused_memory_evict, fused_memory_round, fused_recurrent_aaren, fused_rotate,
                                   fused_window_attention, fused_window_step, select_backend)
     from aaren_hf.kernels.aaren import aaren_prefill_cpu
     from aaren_hf.kernels.memory import memory_evict_cpu, memory_prefill_cpu, memory_round_cpu
@@ -45,7 +45,7 @@ except ImportError:
     aaren_prefill_cpu = memory_evict_cpu = memory_prefill_cpu = memory_round_cpu = None
     mixer_prefill_cpu = mixer_step_cpu = None
     rotate_cpu = window_attention_cpu = window_queries_cpu = None
-    fused_aaren_step = fused_chunk_aaren_mixed = fused_memory_evict = fused_memory_round = None
+    fused_aaren_step = fused_chunk_aaren_mixed = fused_memory_evict = fused_memory_round = fused_rotate = None
     fused_window_attention = None
     fused_window_step = window_cpu_takes = window_prefill_cpu = None
 
@@ -358,11 +358,15 @@ def rotary_angles(pos: torch.Tensor, inv_freq: torch.Tensor):
 
 
 def rotate_by(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """:func:`rotate` with the angles' cos and sin from :func:`rotary_angles`. With the aaren_hf package, on a CPU,
-    one C pass (``rotate_cpu``, kernels/window) gives the same bits where autograd need not see it; this code is
-    its reference."""
-    if rotate_cpu is not None and not (torch.is_grad_enabled() and x.requires_grad):
-        rotated = rotate_cpu(x, cos, sin)
+    """:func:`rotate` with the angles' cos and sin from :func:`rotary_angles`. With the aaren_hf package one pass
+    gives the same bits where autograd need not see it (as in ``_Rotate``): C on a CPU (``rotate_cpu``), a Triton
+    launch on a GPU (``fused_rotate``; kernels/window); this code is their reference."""
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        rotated = None
+        if takes_triton(fused_rotate, x):
+            rotated = fused_rotate(x, cos, sin)
+        elif rotate_cpu is not None:
+            rotated = rotate_cpu(x, cos, sin)
         if rotated is not None:
             return rotated
     rot = cos.shape[-1]

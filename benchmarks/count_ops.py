@@ -9,7 +9,9 @@ Triton's interpreter, each launch counted as one operator; without triton, the c
 Then one decode step after a --decode-prompt-token prompt, as a GPU runs it (the scan's step and, with --window
 kernel, the window branch's step by their Triton kernels, each launch one operator), against the teacher's (Llama,
 sdpa, its KV cache): at batch 1 a GPU pays such a step in launches. Then one train step (forward and backward in
-bf16) as a GPU runs it, against the teacher's. Deterministic: no timing.
+bf16) as a GPU runs it, against the teacher's. Beside the operators, the bytes of the tensors each reads and writes
+(a Triton launch: its tensor arguments), what a GPU's memory moves where the tensors are large. Deterministic: no
+timing.
 
     python -P benchmarks/count_ops.py                       # 32K tokens, as a CPU and as a GPU runs them
     python -P benchmarks/count_ops.py --tokens 4096 --layers 1 --window pytorch   # window attention as before aa87c5d
@@ -23,6 +25,7 @@ from unittest import mock
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_leaves
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_model  # noqa: E402  (imports aaren_hf before transformers' model code)
@@ -37,14 +40,24 @@ VIEWS = {"view", "_unsafe_view", "as_strided", "slice", "select", "unsqueeze", "
          "empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"}
 
 
+def tensor_bytes(tree) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_leaves(tree) if isinstance(t, torch.Tensor))
+
+
 class CountOps(TorchDispatchMode):
+    """Operators, and the bytes of the tensors they read and write (each tensor counted whole, once per operator
+    that takes or makes it): what a GPU launches, and what its memory moves for them."""
+
     def __init__(self):
         super().__init__()
-        self.n = 0
+        self.n = self.bytes = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += func.overloadpacket.__name__ not in VIEWS
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ not in VIEWS:
+            self.n += 1
+            self.bytes += tensor_bytes((args, kwargs, out))
+        return out
 
 
 COUNTER = [None]  # the CountOps in use, for the Triton kernels' launches
@@ -56,8 +69,8 @@ def triton_kernels_as_a_gpu_runs_them(window_kernel: bool):
     not make, uncounted); the operators around them are counted as they run. The C kernels stay off."""
     import aaren_hf.kernels as kernels
     from aaren_hf.kernels.aaren import chunk as scan_chunk, fused_recurrent
-    from aaren_hf.kernels.memory import codes as memory_codes
-    from aaren_hf.kernels.window import chunk as window_chunk, fused_recurrent as window_step
+    from aaren_hf.kernels.memory import codes as memory_codes, evict as memory_evict
+    from aaren_hf.kernels.window import chunk as window_chunk, fused_recurrent as window_step, rotate
 
     real = scan_chunk.get_kernel
 
@@ -67,6 +80,7 @@ def triton_kernels_as_a_gpu_runs_them(window_kernel: bool):
         def launch(grid):
             def run(*args, **kw):
                 COUNTER[0].n += 1
+                COUNTER[0].bytes += tensor_bytes((args, kw))  # inputs and outputs alike are arguments
                 with _disable_current_modes():
                     return kernel[grid](*args, **kw)
             return run
@@ -75,7 +89,7 @@ def triton_kernels_as_a_gpu_runs_them(window_kernel: bool):
     triton = lambda x: "triton"  # noqa: E731
     return ([mock.patch.object(kernels, "select_backend", triton), mock.patch.dict(os.environ, TRITON_INTERPRET="1")]
             + [mock.patch.object(m, "get_kernel", get_kernel) for m in (scan_chunk, fused_recurrent, window_chunk,
-                                                                                window_step, memory_codes)]
+                                                                       window_step, memory_codes, memory_evict, rotate)]
             + ([mock.patch.object(modeling, "select_backend", triton)] if window_kernel else []))
 
 
@@ -96,7 +110,7 @@ def main(argv=None):
     teacher, student = bench_model.random_teacher_and_student(args.layers)
     teacher, student = teacher.eval(), student.eval()
     ids = torch.randint(3, teacher.config.vocab_size, (1, args.tokens))
-    counts, first = [], None
+    counts, first, moved = [], None, {"prefill": [], "train": {}}  # moved: MB read and written per layer
     with mock.patch.dict(os.environ, AAREN_BACKEND="torch"):  # the C kernels off (each call asks)
         for label, as_gpu in (("as a CPU runs it", False), ("as a GPU runs it", True)):
             with mock.patch.object(modeling, "launch_bound", lambda device: as_gpu), torch.no_grad(), \
@@ -111,11 +125,12 @@ def main(argv=None):
             first = logits if first is None else first
             per_layer, diff = counter.n / args.layers, float((logits - first).abs().max())
             counts.append((per_layer, diff))
+            moved["prefill"].append(counter.bytes / args.layers / 2**20)
             if as_gpu:
                 label += (", the scan by its Triton kernel" if triton else ", the scan by the chunked PyTorch scan") + \
                     ", window attention by " + ("its Triton kernel" if kernel else "the PyTorch path")
-            print(f"{label} ({piece}-token pieces): {per_layer:,.0f} operators per layer for {args.tokens:,} tokens; "
-                  f"logits differ from the first by {diff:.1e}")
+            print(f"{label} ({piece}-token pieces): {per_layer:,.0f} operators per layer for {args.tokens:,} tokens "
+                  f"({moved['prefill'][-1]:,.0f} MB read and written); logits differ from the first by {diff:.1e}")
         decode = {}
         prompt, token = ids[:, :args.decode_prompt], ids[:, args.decode_prompt:args.decode_prompt + 1]
         for name, model in (("teacher", teacher), ("student", student)):
@@ -144,11 +159,15 @@ def main(argv=None):
                 with counter:
                     model(tokens, use_cache=False).logits.float().square().mean().backward()
             train[name] = counter.n / args.layers
+            moved["train"][name] = counter.bytes / args.layers / 2**20
         if train:
+            mb = moved["train"]
             print(f"a train step (forward and backward, 1 x {args.train_tokens:,} tokens, bf16) as a GPU runs it: "
                   f"{train['student']:,.0f} operators per layer, the teacher's {train['teacher']:,.0f} "
-                  f"({train['student'] / train['teacher']:.1f}x)")
-    return {"prefill": counts, "decode": decode, "train": train}
+                  f"({train['student'] / train['teacher']:.1f}x); {mb['student']:,.0f} MB read and written per "
+                  f"layer, the teacher's {mb['teacher']:,.0f} (both with the embedding, the LM head and the loss: "
+                  f"{mb['student'] - mb['teacher']:,.0f} MB more per layer)")
+    return {"prefill": counts, "decode": decode, "train": train, "MB": moved}
 
 
 if __name__ == "__main__":

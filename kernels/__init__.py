@@ -6,7 +6,8 @@ device) and its decode step in Triton (``window/fused_recurrent.py``, ``fused_wi
 ``aaren_scan.chunk_aaren_mixed``, likewise) and the Aaren branch's decode step (``fused_aaren_step``; reference:
 ``AarenMixer.aaren_output``, likewise); the memory's codes in Triton (``memory/codes.py``, ``fused_memory_round``;
 reference: ``MemoryCodes.round_with_codes``, likewise) and its ranking sweep's blocks (``memory/evict.py``,
-``fused_memory_evict``; reference: the loop of ``_evict_sweep``, likewise).
+``fused_memory_evict``; reference: the loop of ``_evict_sweep``, likewise); rotary embedding in one launch
+(``window/rotate.py``, ``fused_rotate``; reference: ``rotate_by``, likewise).
 
     o, final_state = chunk_aaren(s, v, g=None, initial_state=None, output_final_state=False, cu_seqlens=None,
                                  chunk_size=64)
@@ -163,3 +164,12 @@ def fused_memory_evict(rank, top, evict, e_first, block, upto, memory_size):
     from .memory.evict import memory_evict_triton
 
     return memory_evict_triton(rank, top, evict, e_first, block, upto, memory_size)
+
+
+def fused_rotate(x, cos, sin):
+    """``rotate_by`` (modeling_aaren.py) in one Triton launch (``window/rotate.py``), the same bits; None where it does
+    not take the inputs. No gradient (``_Rotate`` provides it). Callers check ``select_backend(x) == "triton"``
+    first."""
+    from .window.rotate import rotate_triton
+
+    return rotate_triton(x, cos, sin)

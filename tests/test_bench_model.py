@@ -133,8 +133,8 @@ def test_count_ops_as_a_gpu_runs_it_runs_fewer_operators():
     """benchmarks/count_ops.py: a prompt past one CPU piece and several CPU sweep passes (the default mixer's memory
     ranks 448 of the tokens that left its 64-token window) runs fewer operators as a GPU runs it (one piece, one
     window-attention call, larger sweep passes; fewer still with the window kernel than with the PyTorch window path),
-    with the same logits to float rounding; at one layer a decode step and a train step run more operators than
-    the teacher's;
+    with the same logits to float rounding, and moves fewer bytes with the window kernel; at one layer a decode step
+    and a train step run more operators than the teacher's, and the train step moves more bytes;
     ``launch_bound`` and the C kernels' switch are left as they were."""
     import os
 
@@ -146,6 +146,7 @@ def test_count_ops_as_a_gpu_runs_it_runs_fewer_operators():
     before = modeling_aaren.launch_bound, os.environ.get("AAREN_BACKEND")
     counts = count_ops.main(["--tokens", "4000", "--layers", "1", "--decode-prompt", "600", "--train-tokens", "130"])
     assert counts["train"]["student"] > counts["train"]["teacher"] > 0
+    assert counts["MB"]["train"]["student"] > counts["MB"]["train"]["teacher"] > 0
     (cpu, _), (gpu, diff_gpu) = counts["prefill"]
     assert cpu > 2 * gpu > 0
     if modeling_aaren.fused_window_attention is not None and triton_available():  # the kernel: fewer operators
@@ -153,6 +154,7 @@ def test_count_ops_as_a_gpu_runs_it_runs_fewer_operators():
                                    "--train-tokens", "0"])
         assert gathered["train"] == {}
         assert gathered["prefill"][1][0] > gpu + 20
+        assert gathered["MB"]["prefill"][1] > counts["MB"]["prefill"][1] > 0  # each block's keys gathered
     assert diff_gpu < 1e-4
     assert counts["decode"]["student"] > counts["decode"]["teacher"] > 0
     assert (modeling_aaren.launch_bound, os.environ.get("AAREN_BACKEND")) == before

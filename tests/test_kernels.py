@@ -819,7 +819,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 from aaren_hf.kernels.aaren import chunk, fused_recurrent
 from aaren_hf.kernels.memory import codes as memory_codes, evict as memory_evict
-from aaren_hf.kernels.window import chunk as window_chunk, fused_recurrent as window_step
+from aaren_hf.kernels.window import chunk as window_chunk, fused_recurrent as window_step, rotate
 
 def aot(fn, sig, consts, **options):
     jf = triton.jit(fn)
@@ -864,6 +864,9 @@ for bits, codes in ((4, "*u8"), (8, "*i8")):
         dict(D=64, LOG_D=6, BITS=bits, ROTATE=bits == 4, BN=64), num_warps=4, num_stages=1)
 aot(memory_evict._evict_block_kernel, dict(rank=I, top=I, evict=I, C="i32", K="i32", n="i32", e_first="i32",
                                            block="i32", upto="i32", M="i32"), dict(BP=512, XB=32, DB=64))
+for x, D, BD, rot in ((B, 64, 64, 64), (P, 96, 128, 32)):
+    aot(rotate._rotate_kernel, dict(x=x, cos=P, sin=P, out=x, NH="i64", T="i32", stride_b="i64", stride_t="i64"),
+        dict(H=9, D=D, BD=BD, ROT=rot, BR=4096 // BD), num_warps=4, num_stages=1, enable_fp_fusion=False)
 """
 
 
@@ -1144,6 +1147,64 @@ def test_c_rotary_is_the_references_bit_for_bit(shape, rot, monkeypatch):
                  torch.autograd.grad(modeling.rotate(xg, pos, inv_freq), xg, grad)[0])
     assert torch.equal(got, want)
     assert torch.equal(with_c[0], reference[0]) and torch.equal(with_c[1], reference[1])
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape,rot", [((2, 37, 9, 64), 64), ((1, 1, 4, 64), 64), ((3, 5, 2, 24), 16),
+                                       ((1, 70, 3, 96), 32), ((2, 3, 1, 12), 6)])
+def test_rotary_kernel_is_the_references_bit_for_bit(shape, rot, dtype, monkeypatch):
+    """rotate_by in Triton (kernels/window/rotate.py) against its PyTorch code: full and partial rotary, widths that
+    are not a power of 2, one token and many (rows that fill no whole program), large angles, values of every scale
+    the dtype holds, turned back (sin negated) too, token rows strided or broadcast; as a GPU runs the model,
+    ``rotate`` with a gradient (``_Rotate``) goes through it forward and backward, the same output and gradient bit
+    for bit as autograd through the reference."""
+    import aaren_hf.modeling_aaren as modeling
+
+    gen = torch.Generator().manual_seed(rot)
+    top = 20 if dtype == torch.float32 else 3
+    x = (torch.randn(*shape, generator=gen) * torch.logspace(-top, top, shape[-1])).to(dtype)
+    pos = torch.randint(0, 1 << 20, shape[:2], generator=gen)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot))
+    cos, sin = modeling.rotary_angles(pos, inv_freq)
+    grad = torch.randn(shape, generator=gen).to(dtype)
+    xg = x.clone().requires_grad_()
+    monkeypatch.setattr(modeling, "rotate_cpu", None)  # the PyTorch code, not the C pass (the same bits)
+    # token rows read where they lie: every other token, and one sequence's tokens broadcast over the batch
+    views = [(x[:, ::2], cos[:, :(shape[1] + 1) // 2].contiguous(), sin[:, :(shape[1] + 1) // 2].contiguous()),
+             (x[:1].expand_as(x), cos, sin)]
+    want = [modeling.rotate_by(x, cos, sin), modeling.rotate_by(x, cos, -sin), modeling.rotate(x, pos, inv_freq)]
+    want += [torch.autograd.grad(modeling.rotate(xg, pos, inv_freq), xg, grad)[0]]
+    want += [modeling.rotate_by(*view) for view in views]
+    ran = []
+    monkeypatch.setattr(modeling, "fused_rotate", lambda *a: ran.append(1) or K.fused_rotate(*a))
+    monkeypatch.setattr(modeling, "launch_bound", lambda device: True)
+    got = [K.fused_rotate(x, cos, sin), K.fused_rotate(x, cos, -sin), modeling.rotate(x, pos, inv_freq)]
+    got += [torch.autograd.grad(modeling.rotate(xg, pos, inv_freq), xg, grad)[0]]
+    got += [K.fused_rotate(*view) for view in views]
+    assert len(ran) == 3  # rotate without a gradient, then _Rotate's forward and its backward
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    wide = (cos.expand(*shape[:2], 2, rot), sin.expand(*shape[:2], 2, rot))  # not the shape it takes
+    assert K.fused_rotate(x.double(), cos, sin) is None and K.fused_rotate(x, *wide) is None
+    assert K.fused_rotate(x, cos.double(), sin.double()) is None
+
+
+@pytest.mark.requires_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_rotary_kernel_is_the_references_bit_for_bit(dtype, monkeypatch):
+    """The compiled kernel on CUDA against the PyTorch code on the same GPU, SmolLM2's query shape at 8 x 2,048
+    tokens and a partial rotary: bit for bit (no contraction into an fma)."""
+    import aaren_hf.modeling_aaren as modeling
+
+    gen = torch.Generator().manual_seed(0)
+    for shape, rot in (((8, 2048, 9, 64), 64), ((2, 333, 3, 96), 32)):
+        x = (torch.randn(*shape, generator=gen) * 3).to("cuda", dtype)
+        pos = torch.randint(0, 1 << 17, shape[:2], generator=gen).cuda()
+        cos, sin = modeling.rotary_angles(pos, 1.0 / (10000 ** (torch.arange(0, rot, 2, device="cuda") / rot)))
+        monkeypatch.setattr(modeling, "fused_rotate", None)
+        want = modeling.rotate_by(x, cos, sin)
+        assert torch.equal(K.fused_rotate(x, cos, sin), want), (shape, rot)
 
 
 def test_c_window_kernel_built_without_openmp_runs_on_one_thread(monkeypatch, tmp_path):

@@ -1,0 +1,59 @@
+# Copyright 2026 The aaren-hf authors. Apache-2.0.
+"""Rotary embedding in Triton, for a GPU: ``rotate_by`` in aaren_hf/modeling_aaren.py is the reference (and
+``rotate.c`` the CPU's one pass). The reference runs five to eight operators per call (a float32 copy of the rotated
+channels, a negation, a concatenation, two products, a sum, the cast back, the concatenation with the channels left
+as they are), each a launch and a pass over the tensor; a prefill turns the queries, the keys and the sink keys, and
+training turns each gradient back again. Here one launch reads x once and writes the result once.
+
+The same bits as the reference: the rotation of the decode step's kernel (``_rotated``, fused_recurrent.py) in
+float32, two rounded products and their rounded sum (float contraction off: an fma would round otherwise), then
+the cast to x's dtype as ``.to()`` rounds.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ..aaren.chunk import get_kernel
+from .fused_recurrent import _cast, _rotated
+
+
+def _rotate_kernel(x, cos, sin, out, NH, T, stride_b, stride_t, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                   ROT: tl.constexpr, BR: tl.constexpr):
+    # one program per BR rows of D channels (a token's head each); the angles are the token's, shared by its heads.
+    # x's token rows may be strided (the sink keys, one copy broadcast over the turns they take)
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)[:, None]
+    m_r = rows < NH
+    cols = tl.arange(0, BD)[None, :]
+    token = rows // H
+    angle = token * ROT + cols
+    m_a = m_r & (cols < ROT)
+    c = tl.load(cos + angle, mask=m_a, other=1.0)
+    s = tl.load(sin + angle, mask=m_a, other=0.0)
+    y = _rotated(x, (token // T) * stride_b + (token % T) * stride_t + (rows % H) * D, m_r, cols, c, s, D, ROT)
+    tl.store(out + rows * D + cols, _cast(y, out.dtype.element_ty), mask=m_r & (cols < D))
+
+
+def rotate_triton(x, cos, sin):
+    """``rotate_by(x, cos, sin)`` in one launch, the same bits: x [B, T, h, D] (float32, bfloat16 or float16) on a
+    GPU, cos and sin [B, T, 1, rot] float32 as ``rotary_angles`` gives them (sin negated turns back). None where the
+    kernel does not take the inputs (other shapes or dtypes: the reference serves). No gradient: ``_Rotate`` (or
+    no_grad) provides it."""
+    rot = cos.shape[-1]
+    if (x.dim() != 4 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or rot % 2 or rot > x.shape[-1]
+            or cos.dtype != torch.float32 or sin.dtype != cos.dtype or cos.shape != sin.shape
+            or cos.shape != (*x.shape[:2], 1, rot) or x.device != cos.device or x.device != sin.device):
+        return None
+    B, T, H, D = x.shape
+    if x.stride(3) != 1 or x.stride(2) != D:
+        x = x.contiguous()
+    cos, sin = cos.contiguous(), sin.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    NH = B * T * H
+    if NH:
+        BD = triton.next_power_of_2(D)
+        BR = max(1, 4096 // BD)
+        get_kernel(_rotate_kernel, key=("H", "D", "ROT"), warps=(4,), stages=(1,))[(triton.cdiv(NH, BR),)](
+            x, cos, sin, out, NH, T, x.stride(0), x.stride(1), H=H, D=D, BD=BD, ROT=rot, BR=BR,
+            enable_fp_fusion=False)
+    return out
