@@ -33,8 +33,9 @@ from .configuration_aaren import AarenConfig
 try:  # Triton kernels on CUDA and the C kernels on CPUs, when this package is installed; the PyTorch code in this
     # file serves everywhere else (a checkpoint's own copy of it: nothing else to install)
     from aaren_hf.kernels import (WINDOW_BLOCK, chunk_aaren, fused_aaren_step, fused_chunk_aaren_mixed,
-                                  fused_memory_evict, fused_memory_round, fused_recurrent_aaren, fused_rotate,
-                                  fused_window_attention, fused_window_step, select_backend)
+                                  fused_memory_evict, fused_memory_lists, fused_memory_round, fused_next_window,
+                                  fused_recurrent_aaren, fused_rotate, fused_sinks, fused_window_attention,
+                                  fused_window_step, select_backend)
     from aaren_hf.kernels.aaren import aaren_prefill_cpu
     from aaren_hf.kernels.memory import memory_evict_cpu, memory_prefill_cpu, memory_round_cpu
     from aaren_hf.kernels.mixer import mixer_prefill_cpu, mixer_step_cpu
@@ -45,8 +46,8 @@ except ImportError:
     aaren_prefill_cpu = memory_evict_cpu = memory_prefill_cpu = memory_round_cpu = None
     mixer_prefill_cpu = mixer_step_cpu = None
     rotate_cpu = window_attention_cpu = window_queries_cpu = None
-    fused_aaren_step = fused_chunk_aaren_mixed = fused_memory_evict = fused_memory_round = fused_rotate = None
-    fused_window_attention = None
+    fused_aaren_step = fused_chunk_aaren_mixed = fused_memory_evict = fused_memory_lists = fused_memory_round = None
+    fused_next_window = fused_rotate = fused_sinks = fused_window_attention = None
     fused_window_step = window_cpu_takes = window_prefill_cpu = None
 
 
@@ -569,6 +570,50 @@ def _window_attention_fused(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink
     return out.to(q.dtype)
 
 
+def fill_sinks(k, v, pos, sink_k, sink_v, sink_pos):
+    """The sinks after a piece of tokens: the first S real tokens of a sequence become its sinks (slot = position),
+    keys rotated at their own position. k, v [B, T, Hkv, D] as the window stores them, pos [B, T] (-1: padding);
+    sink_k, sink_v [B, S, Hkv, D], sink_pos [B, S] (-1: empty). New tensors; gradients flow to k and v. On a GPU one
+    Triton launch (``fused_sinks``, kernels/window/carry.py); this code is its reference."""
+    if takes_triton(fused_sinks, k):
+        sinks = fused_sinks(k, v, pos, sink_k, sink_v, sink_pos)
+        if sinks is not None:
+            return sinks
+    B, T, Hkv, D = k.shape
+    S = sink_k.shape[1]
+    # found by comparison, not nonzero(), which reads back to the host (a GPU would wait for every launch before)
+    slots = torch.arange(S, device=pos.device)
+    hit = pos.unsqueeze(-1) == slots  # [B, T, S]
+    found = hit.any(1)  # [B, S]
+    at = hit.to(torch.uint8).argmax(1).view(B, S, 1, 1).expand(B, S, Hkv, D)  # the token in each slot
+    return (torch.where(found.view(B, S, 1, 1), k.gather(1, at).to(sink_k.dtype), sink_k),
+            torch.where(found.view(B, S, 1, 1), v.gather(1, at).to(sink_v.dtype), sink_v),
+            torch.where(found, slots, sink_pos))
+
+
+def next_window(k_prev, v_prev, pos_prev, k, v, pos, window, stream_score=None):
+    """The window the next call continues from: the last W - 1 entries of the window held (k_prev, v_prev [B, Wp,
+    Hkv, D] in the cache's dtype, pos_prev [B, Wp]) and this call's tokens (k, v [B, T, Hkv, D] as the cache stores
+    them, pos [B, T]), with ``stream_score`` [B, Wp + T, Hkv] (the memory's) their scores. The next token sees itself
+    plus the W - 1 entries before it. Fewer than W - 1 so far: empty entries (position -1, like left padding: never
+    seen, never entering the memory; score -inf) fill the front, so the state has its full size from the first call
+    and every later token takes the one-token step. {"k", "v", "pos"[, "score"]}, no gradient. On a GPU one Triton
+    launch (``fused_next_window``, kernels/window/carry.py); this code is its reference."""
+    if takes_triton(fused_next_window, k):
+        got = fused_next_window(k_prev, v_prev, pos_prev, k, v, pos, window, stream_score)
+        if got is not None:
+            return got
+    held = k_prev.shape[1] + k.shape[1]
+    first, short = max(0, held - (window - 1)), max(0, window - 1 - held)
+    win_k = torch.cat([k_prev, k.to(k_prev.dtype)], 1)[:, first:].detach()
+    win_v = torch.cat([v_prev, v.to(v_prev.dtype)], 1)[:, first:].detach()
+    out = {"k": F.pad(win_k, (0, 0, 0, 0, short, 0)), "v": F.pad(win_v, (0, 0, 0, 0, short, 0)),
+           "pos": F.pad(torch.cat([pos_prev, pos], 1)[:, first:], (short, 0), value=-1)}
+    if stream_score is not None:
+        out["score"] = F.pad(stream_score[:, first:], (0, 0, short, 0), value=float("-inf"))
+    return out
+
+
 def _sink_scores(q, qpos, sink_k, window, rotary, attend):
     """Scores [B, T, Hkv, G, S] of queries q [B, T, H, D] (not rotated) at qpos [B, T] against the S sinks, each query
     rotated to c = min(p, S + W - 1) (:func:`window_attention`): <R(c) q, k> = <q, R(-c) k>, so the sink keys are
@@ -905,7 +950,10 @@ def _memory_lists(evict, last, T, nblk, Q, width=None):
     [B, n, Hkv, K] in the candidates and [n] how many of the K the block needs at most (over rows and heads). Without
     ``width``: K is the most any block needs (read back from the device), the seen ones first in candidate order;
     with it (M + Q, a launch-bound device, where that read would wait for every launch before it): K = width, the
-    seen ones first in any order."""
+    seen ones first in any order; on a GPU one Triton launch (``fused_memory_lists``, kernels/memory/lists.py), of
+    which this code is the reference."""
+    if width is not None and takes_triton(fused_memory_lists, evict):
+        return fused_memory_lists(evict, last, T, nblk, Q, width)
     B, Hkv, C = evict.shape
     last = last[:T]
     # the block's queries have last indices lo..hi (last grows with the query): a candidate in the memory at any
@@ -1226,16 +1274,7 @@ class AarenMixer(nn.Module):
             k = rotary.rotate(k)
             k, v = round_to_cache(k, self.kv_cache_dtype), round_to_cache(v, self.kv_cache_dtype)
             if S > 0:
-                # the first S real tokens become sinks (slot = position); keys were rotated at their own position.
-                # Found by comparison, not nonzero(), which reads back to the host (a GPU would wait for every
-                # launch before)
-                slots = torch.arange(S, device=pos.device)
-                hit = pos.unsqueeze(-1) == slots  # [B, T, S]
-                found = hit.any(1)  # [B, S]
-                at = hit.to(torch.uint8).argmax(1).view(B, S, 1, 1).expand(B, S, Hkv, D)  # the token in each slot
-                sink_k = torch.where(found.view(B, S, 1, 1), k.gather(1, at).to(sink_k.dtype), sink_k)
-                sink_v = torch.where(found.view(B, S, 1, 1), v.gather(1, at).to(sink_v.dtype), sink_v)
-                sink_pos = torch.where(found, slots, sink_pos)
+                sink_k, sink_v, sink_pos = fill_sinks(k, v, pos, sink_k, sink_v, sink_pos)
         memory = None
         if self.memory_size > 0:
             memory, candidates = self.memory_candidates(k, v, pos, retention, k_prev, v_prev, pos_prev, state)
@@ -1244,18 +1283,8 @@ class AarenMixer(nn.Module):
         )
         if state is not None:
             if prefilled is None:
-                # The next token sees itself plus the W - 1 entries before it. Fewer than W - 1 so far: empty
-                # entries (position -1, like left padding: never seen, never entering the memory) fill the front, so
-                # the state has its full size from the first call and every later token takes the one-token step.
-                held = k_prev.shape[1] + T
-                first, short = max(0, held - (self.window - 1)), max(0, self.window - 1 - held)
-                win_k = torch.cat([k_prev, k.to(k_prev.dtype)], 1)[:, first:].detach()
-                win_v = torch.cat([v_prev, v.to(v_prev.dtype)], 1)[:, first:].detach()
-                window = {"k": F.pad(win_k, (0, 0, 0, 0, short, 0)), "v": F.pad(win_v, (0, 0, 0, 0, short, 0)),
-                          "pos": F.pad(torch.cat([pos_prev, pos], 1)[:, first:], (short, 0), value=-1)}
-                if memory is not None:
-                    window["score"] = F.pad(candidates["stream_score"][:, first:], (0, 0, short, 0),
-                                            value=float("-inf"))
+                window = next_window(k_prev, v_prev, pos_prev, k, v, pos, self.window,
+                                     None if memory is None else candidates["stream_score"])
             state.window_k, state.window_v, state.window_pos = window["k"], window["v"], window["pos"]
             state.sink_k, state.sink_v, state.sink_pos = sink_k.detach(), sink_v.detach(), sink_pos
             if memory is not None:

@@ -69,8 +69,8 @@ def triton_kernels_as_a_gpu_runs_them(window_kernel: bool):
     not make, uncounted); the operators around them are counted as they run. The C kernels stay off."""
     import aaren_hf.kernels as kernels
     from aaren_hf.kernels.aaren import chunk as scan_chunk, fused_recurrent
-    from aaren_hf.kernels.memory import codes as memory_codes, evict as memory_evict
-    from aaren_hf.kernels.window import chunk as window_chunk, fused_recurrent as window_step, rotate
+    from aaren_hf.kernels.memory import codes as memory_codes, evict as memory_evict, lists as memory_lists
+    from aaren_hf.kernels.window import chunk as window_chunk, fused_recurrent as window_step, rotate, carry
 
     real = scan_chunk.get_kernel
 
@@ -89,7 +89,8 @@ def triton_kernels_as_a_gpu_runs_them(window_kernel: bool):
     triton = lambda x: "triton"  # noqa: E731
     return ([mock.patch.object(kernels, "select_backend", triton), mock.patch.dict(os.environ, TRITON_INTERPRET="1")]
             + [mock.patch.object(m, "get_kernel", get_kernel) for m in (scan_chunk, fused_recurrent, window_chunk,
-                                                                       window_step, memory_codes, memory_evict, rotate)]
+                                                                       window_step, memory_codes, memory_evict,
+                                                                       memory_lists, rotate, carry)]
             + ([mock.patch.object(modeling, "select_backend", triton)] if window_kernel else []))
 
 

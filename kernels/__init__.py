@@ -6,8 +6,11 @@ device) and its decode step in Triton (``window/fused_recurrent.py``, ``fused_wi
 ``aaren_scan.chunk_aaren_mixed``, likewise) and the Aaren branch's decode step (``fused_aaren_step``; reference:
 ``AarenMixer.aaren_output``, likewise); the memory's codes in Triton (``memory/codes.py``, ``fused_memory_round``;
 reference: ``MemoryCodes.round_with_codes``, likewise) and its ranking sweep's blocks (``memory/evict.py``,
-``fused_memory_evict``; reference: the loop of ``_evict_sweep``, likewise); rotary embedding in one launch
-(``window/rotate.py``, ``fused_rotate``; reference: ``rotate_by``, likewise).
+``fused_memory_evict``; reference: the loop of ``_evict_sweep``, likewise) and each block's list of candidates
+for window attention (``memory/lists.py``, ``fused_memory_lists``; reference: ``_memory_lists``, likewise); rotary embedding in one launch
+(``window/rotate.py``, ``fused_rotate``; reference: ``rotate_by``, likewise); what a piece of tokens carries into the
+window's state (``window/carry.py``): the sinks' slots (``fused_sinks``; reference: ``fill_sinks``, likewise) and
+the window the next piece continues from (``fused_next_window``; reference: ``next_window``, likewise).
 
     o, final_state = chunk_aaren(s, v, g=None, initial_state=None, output_final_state=False, cu_seqlens=None,
                                  chunk_size=64)
@@ -173,3 +176,30 @@ def fused_rotate(x, cos, sin):
     from .window.rotate import rotate_triton
 
     return rotate_triton(x, cos, sin)
+
+
+def fused_sinks(k, v, pos, sink_k, sink_v, sink_pos):
+    """The sinks after a piece of tokens in one Triton launch (``window/carry.py``; reference: ``fill_sinks`` in
+    modeling_aaren.py), with its backward; None where it does not take the inputs. Callers check
+    ``select_backend(k) == "triton"`` first."""
+    from .window.carry import sinks_triton
+
+    return sinks_triton(k, v, pos, sink_k, sink_v, sink_pos)
+
+
+def fused_next_window(k_prev, v_prev, pos_prev, k, v, pos, window, stream_score=None):
+    """The window the next piece continues from in one Triton launch (``window/carry.py``; reference:
+    ``next_window`` in modeling_aaren.py); None where it does not take the inputs. Callers check
+    ``select_backend(k) == "triton"`` first."""
+    from .window.carry import next_window_triton
+
+    return next_window_triton(k_prev, v_prev, pos_prev, k, v, pos, window, stream_score)
+
+
+def fused_memory_lists(evict, last, T, nblk, Q, width):
+    """Each block of Q queries' list of memory candidates in one Triton launch (``memory/lists.py``; reference:
+    ``_memory_lists`` with ``width`` in modeling_aaren.py). Callers check ``select_backend(evict) == "triton"``
+    first."""
+    from .memory.lists import memory_lists_triton
+
+    return memory_lists_triton(evict, last, T, nblk, Q, width)

@@ -9,6 +9,7 @@ the same reference. GPU-only checks are marked ``requires_gpu``; ``test_compiles
 """
 
 import copy
+import itertools
 import math
 import os
 import subprocess
@@ -723,6 +724,42 @@ def _ranking_on(device, C, monkeypatch):
     return torch.where(real, got.cpu(), -1), torch.where(real, want, -1)
 
 
+@needs_triton
+def test_memory_lists_kernel_gives_the_references_sets(monkeypatch):
+    """Each block's list of memory candidates in Triton (kernels/memory/lists.py) against ``_memory_lists``: the same
+    counts; in every list the block's seen candidates (the reference's set, exactly, in candidate order) come first,
+    then unseen ones, K = min(C, M + Q) entries with none twice (the attention kernel would count a repeated one
+    twice). Candidates from ``memory_visibility`` over held memories, padding and tied scores, more than one read of
+    1,024 candidates; through the model's dispatch as a GPU runs it."""
+    import aaren_hf.modeling_aaren as modeling
+
+    gen = torch.Generator().manual_seed(0)
+    for B, Hkv, T, Q, M, W, held in ((1, 3, 300, 64, 48, 16, 0), (2, 2, 100, 16, 20, 8, 20), (2, 1, 200, 64, 8, 4, 8),
+                                     (1, 2, 2500, 64, 448, 64, 448)):
+        C = held + W - 1 + T
+        pos = (torch.arange(C) - held).repeat(B, Hkv, 1)
+        pos[1:, :, :held + W + 3] = -1  # a padded row
+        score = (torch.randn(B, Hkv, C, generator=gen) * 2).round() / 64
+        last, evict = modeling.memory_visibility(pos, score, held, W, 1, M, T)
+        nblk = -(-T // Q)
+        want, want_counts = modeling._memory_lists(evict, last, T, nblk, Q)  # on a CPU: the PyTorch code
+        ran = []
+        with monkeypatch.context() as m:
+            m.setattr(modeling, "fused_memory_lists", lambda *a: ran.append(1) or K.fused_memory_lists(*a))
+            m.setattr(modeling, "launch_bound", lambda device: True)
+            got, counts = modeling._memory_lists(evict, last, T, nblk, Q, width=M + Q)
+        assert ran and torch.equal(counts, want_counts)
+        K_ = min(C, M + Q)
+        assert got.shape == (B, nblk, Hkv, K_)
+        lo, hi = last[:T][::Q], last[:T][(torch.arange(nblk) * Q + Q - 1).clamp(max=T - 1)]
+        seen = (torch.arange(C) <= hi.view(-1, 1, 1)) & (evict.unsqueeze(1) > lo.view(-1, 1, 1))  # [B, n, Hkv, C]
+        n_seen = seen.sum(-1)
+        for b, n, h in itertools.product(range(B), range(nblk), range(Hkv)):
+            entries, c = got[b, n, h], int(n_seen[b, n, h])
+            assert entries[:c].tolist() == want[b, n, h, :c].tolist(), (B, b, n, h)
+            assert len(set(entries.tolist())) == K_ and not seen[b, n, h, entries[c:]].any(), (B, b, n, h)
+
+
 @pytest.mark.requires_gpu
 def test_gpu_memory_ranking_kernel_gives_the_cpu_heaps_indices(monkeypatch):
     """The compiled ranking kernel on CUDA, a 32K-token piece at SmolLM2's memory shape in one pass, against the C
@@ -818,8 +855,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 from aaren_hf.kernels.aaren import chunk, fused_recurrent
-from aaren_hf.kernels.memory import codes as memory_codes, evict as memory_evict
+from aaren_hf.kernels.memory import codes as memory_codes, evict as memory_evict, lists as memory_lists
 from aaren_hf.kernels.window import chunk as window_chunk, fused_recurrent as window_step, rotate
+from aaren_hf.kernels.window import carry as window_carry
 
 def aot(fn, sig, consts, **options):
     jf = triton.jit(fn)
@@ -864,6 +902,16 @@ for bits, codes in ((4, "*u8"), (8, "*i8")):
         dict(D=64, LOG_D=6, BITS=bits, ROTATE=bits == 4, BN=64), num_warps=4, num_stages=1)
 aot(memory_evict._evict_block_kernel, dict(rank=I, top=I, evict=I, C="i32", K="i32", n="i32", e_first="i32",
                                            block="i32", upto="i32", M="i32"), dict(BP=512, XB=32, DB=64))
+aot(window_carry._sinks_fwd_kernel, dict(k=B, v=B, pos=I, old_k=B, old_v=B, old_pos=I, new_k=B, new_v=B, new_pos=I,
+                                          at=I, T="i32"), dict(S=4, E=192, BE=256, BT=1024), num_warps=4, num_stages=1)
+aot(window_carry._sinks_bwd_kernel, dict(dnew_k=B, dnew_v=B, at=I, dk=P, dv=P, T="i32"), dict(S=1, E=192, BE=256),
+    num_warps=4, num_stages=1)
+aot(window_carry._next_window_kernel, dict(k_prev=B, v_prev=B, pos_prev=I, k=B, v=B, pos=I, score=P, win_k=B, win_v=B,
+                                          win_pos=I, win_score=P, Wp="i32", T="i32", first="i32", short="i32",
+                                          W1="i32"), dict(HKV=3, E=192, BE=256, BH=4, HAS_SCORE=True), num_warps=4,
+    num_stages=1)
+aot(memory_lists._lists_kernel, dict(evict=I, last=I, idx=I, seen_count=I, C="i32", T="i32", Q="i32", K="i32"),
+    dict(HKV=3, BC=1024), num_warps=4, num_stages=1)
 for x, D, BD, rot in ((B, 64, 64, 64), (P, 96, 128, 32)):
     aot(rotate._rotate_kernel, dict(x=x, cos=P, sin=P, out=x, NH="i64", T="i32", stride_b="i64", stride_t="i64"),
         dict(H=9, D=D, BD=BD, ROT=rot, BR=4096 // BD), num_warps=4, num_stages=1, enable_fp_fusion=False)
@@ -1188,6 +1236,106 @@ def test_rotary_kernel_is_the_references_bit_for_bit(shape, rot, dtype, monkeypa
     wide = (cos.expand(*shape[:2], 2, rot), sin.expand(*shape[:2], 2, rot))  # not the shape it takes
     assert K.fused_rotate(x.double(), cos, sin) is None and K.fused_rotate(x, *wide) is None
     assert K.fused_rotate(x, cos.double(), sin.double()) is None
+
+
+def _sinks_inputs(B, T, Hkv, D, S, dtype, stored, device="cpu"):
+    """A piece of keys and values and the sinks before it: row 0 the first piece of a sequence, row 1 left-padded by
+    3 (a piece longer than 1,024: all but its last 3 tokens), row 2 past its first S tokens (its slots kept), row 3
+    its first two slots filled by an earlier piece."""
+    gen = torch.Generator().manual_seed(T)
+    k, v = ((torch.randn(B, T, Hkv, D, generator=gen) * 3).to(device, dtype) for _ in range(2))
+    pos = torch.arange(T).repeat(B, 1)
+    pos[1] = (pos[1] - (T - 3 if T > 1024 else 3)).clamp(min=-1)
+    pos[2] += S
+    pos[3] += 2
+    sink_k, sink_v = ((torch.randn(B, S, Hkv, D, generator=gen) * 3).to(device, stored) for _ in range(2))
+    sink_pos = torch.full((B, S), -1)
+    sink_pos[2:] = torch.arange(S)
+    return k, v, pos.to(device), sink_k, sink_v, sink_pos.to(device)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype, stored", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                           (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16)])
+@pytest.mark.parametrize("T", [1, 5, 1500])
+def test_sinks_kernel_is_the_references_bit_for_bit(T, dtype, stored, monkeypatch):
+    """The sinks' slots in Triton (kernels/window/carry.py) against ``fill_sinks``' PyTorch code: the slots' keys,
+    values and positions, and the gradients of k, v and the old slots, bit for bit; pieces shorter than the slots,
+    and longer than one program's scan of positions (1,024), padding, slots filled before."""
+    import aaren_hf.modeling_aaren as modeling
+
+    B, Hkv, D, S = 4, 3, 12, 4
+    results = []
+    for kernel in (None, K.fused_sinks):
+        monkeypatch.setattr(modeling, "launch_bound", lambda device: kernel is not None)
+        ran = []
+        monkeypatch.setattr(modeling, "fused_sinks", kernel and (lambda *a: ran.append(1) or kernel(*a)))
+        k, v, pos, sink_k, sink_v, sink_pos = _sinks_inputs(B, T, Hkv, D, S, dtype, stored)
+        k, v, sink_k, sink_v = (t.requires_grad_() for t in (k, v, sink_k, sink_v))
+        new = modeling.fill_sinks(k, v, pos, sink_k, sink_v, sink_pos)
+        weights = [torch.randn(t.shape, generator=torch.Generator().manual_seed(i)) for i, t in enumerate(new[:2])]
+        sum((t.float() * w).sum() for t, w in zip(new, weights)).backward()
+        assert len(ran) == (kernel is not None)
+        results.append([t.detach() for t in new] + [t.grad for t in (k, v, sink_k, sink_v)])
+    for a, b in zip(*results, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    if T == 5:  # padding 3 leaves slots 2 and 3 of row 1 empty
+        assert results[0][2].tolist() == [[0, 1, 2, 3], [0, 1, -1, -1], [0, 1, 2, 3], [0, 1, 2, 3]]
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype, stored", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
+                                           (torch.float16, torch.float16), (torch.float32, torch.float32)])
+def test_next_window_kernel_is_the_references_bit_for_bit(dtype, stored, monkeypatch):
+    """The window a piece hands on, in Triton (kernels/window/carry.py), against ``next_window``'s PyTorch code:
+    keys, values, positions and scores bit for bit, for windows of 2 to 9, held windows empty, short and full,
+    pieces shorter and longer than the window (front padding: zeros, -1, -inf), with and without scores; through
+    the model's dispatch as a GPU runs it too."""
+    import aaren_hf.modeling_aaren as modeling
+
+    gen = torch.Generator().manual_seed(0)
+    B, Hkv, D = 2, 3, 10
+    ran = []
+    for W in (2, 5, 9):
+        for Wp in sorted({0, 3, W - 1}):
+            for T in (1, 2, 7, 20):
+                k_prev, v_prev = ((torch.randn(B, Wp, Hkv, D, generator=gen) * 3).to(stored) for _ in range(2))
+                k, v = ((torch.randn(B, T, Hkv, D, generator=gen) * 3).to(dtype) for _ in range(2))
+                pos_prev, pos = (torch.randint(-1, 50, (B, n), generator=gen) for n in (Wp, T))
+                for score in (None, torch.randn(B, Wp + T, Hkv, generator=gen)):
+                    args = (k_prev, v_prev, pos_prev, k, v, pos, W, score)
+                    want = modeling.next_window(*args)  # on a CPU: the PyTorch code
+                    with monkeypatch.context() as m:
+                        m.setattr(modeling, "fused_next_window", lambda *a: ran.append(1) or K.fused_next_window(*a))
+                        m.setattr(modeling, "launch_bound", lambda device: True)
+                        got = modeling.next_window(*args)
+                    assert got.keys() == want.keys(), (W, Wp, T)
+                    for key in want:
+                        assert got[key].dtype == want[key].dtype and torch.equal(got[key], want[key]), (W, Wp, T, key)
+    assert len(ran) == 2 * 4 * (3 + 3 + 3)  # every case through the kernel
+
+
+@pytest.mark.requires_gpu
+def test_gpu_carry_kernels_are_the_references_bit_for_bit(monkeypatch):
+    """The compiled kernels of kernels/window/carry.py on CUDA against ``fill_sinks``' and ``next_window``'s PyTorch
+    code on the same GPU, SmolLM2's kv shape, bf16, 4 x 2,048 tokens after a held window of 63: the slots, their
+    gradients and the next window bit for bit."""
+    import aaren_hf.modeling_aaren as modeling
+
+    results = []
+    for sinks, window in ((None, None), (K.fused_sinks, K.fused_next_window)):
+        monkeypatch.setattr(modeling, "fused_sinks", sinks)
+        monkeypatch.setattr(modeling, "fused_next_window", window)
+        k, v, pos, sink_k, sink_v, sink_pos = _sinks_inputs(4, 2048, 3, 64, 4, torch.bfloat16, torch.bfloat16, "cuda")
+        k, v = k.requires_grad_(), v.requires_grad_()
+        new = modeling.fill_sinks(k, v, pos, sink_k, sink_v, sink_pos)
+        (new[0].float().square().sum() + new[1].float().sum()).backward()
+        held = (k[:, :63].detach() * 2, v[:, :63].detach() * 2, pos[:, :63] - 63)
+        nxt = modeling.next_window(*held, k.detach(), v.detach(), pos, 64,
+                                   torch.randn(4, 63 + 2048, 3, generator=torch.Generator().manual_seed(0)).cuda())
+        results.append([t.detach() for t in new] + [k.grad, v.grad] + list(nxt.values()))
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.requires_gpu

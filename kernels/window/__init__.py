@@ -1,14 +1,15 @@
 """The window branch: its attention for training and prefill in Triton for a GPU (``chunk.py``) and in C for a CPU
 (``chunk.c``, ``window_attention_cpu``, forward and backward), both with the reference in the PyTorch path of
 ``window_attention`` in modeling_aaren.py; its rotary embedding in one pass, in C for a CPU (``rotate.c``,
-``rotate_cpu``) and in Triton for a GPU (``rotate.py``, ``fused_rotate``), reference ``rotate_by``, bit for bit; its
-one-token decode step (reference: ``AarenMixer.window_step``) in Triton for a GPU (``fused_recurrent.py``) and in C
-for a CPU (``step.c``, the same algorithm), the C one compiled with the Aaren branch's into the mixer's one call per
-layer (``kernels/mixer``); and a prompt's bookkeeping around the attention without gradients on a CPU (``prefill.c``,
-``window_prefill_cpu``: rounding, sinks, the window's next state), whose reference is ``AarenMixer.window_branch``,
-bit for bit, and the queries' side of the attention (``chunk.c``, ``window_queries_cpu``: rotation, the sinks' scores
-and what each query sees of them; reference ``_window_attention_fused``'s PyTorch lines and ``_sink_scores``, to
-float rounding)."""
+``rotate_cpu``) and in Triton for a GPU (``rotate.py``, ``fused_rotate``), reference ``rotate_by``, bit for bit; the
+sinks' slots and a prefill's next window in Triton for a GPU (``carry.py``: ``fused_sinks``, forward and backward,
+and ``fused_next_window``; references ``fill_sinks`` and ``next_window``); its one-token decode step (reference:
+``AarenMixer.window_step``) in Triton for a GPU (``fused_recurrent.py``) and in C for a CPU (``step.c``, the same
+algorithm), the C one compiled with the Aaren branch's into the mixer's one call per layer (``kernels/mixer``); and a
+prompt's bookkeeping around the attention without gradients on a CPU (``prefill.c``, ``window_prefill_cpu``:
+rounding, sinks, the window's next state), whose reference is ``AarenMixer.window_branch``, bit for bit, and the
+queries' side of the attention (``chunk.c``, ``window_queries_cpu``: rotation, the sinks' scores and what each query
+sees of them; reference ``_window_attention_fused``'s PyTorch lines and ``_sink_scores``, to float rounding)."""
 
 from __future__ import annotations
 
