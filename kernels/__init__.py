@@ -1,16 +1,17 @@
-"""Aaren scan ops: PyTorch references and Triton kernels behind one dispatch point; the window branch's attention
-for training and prefill in Triton (``window/chunk.py``, ``fused_window_attention``; reference: the PyTorch path of
+"""Aaren scan ops: PyTorch references and Triton kernels behind one dispatch point; the window branch's attention for
+training and prefill in Triton (``window/chunk.py``, ``fused_window_attention``; reference: the PyTorch path of
 ``window_attention`` in modeling_aaren.py, which takes it where ``select_backend`` says Triton on a launch-bound
 device) and its decode step in Triton (``window/fused_recurrent.py``, ``fused_window_step``; reference:
 ``AarenMixer.window_step``, likewise); the scan with the slots mixed (``fused_chunk_aaren_mixed``; reference:
 ``aaren_scan.chunk_aaren_mixed``, likewise) and the Aaren branch's decode step (``fused_aaren_step``; reference:
 ``AarenMixer.aaren_output``, likewise); the memory's codes in Triton (``memory/codes.py``, ``fused_memory_round``;
 reference: ``MemoryCodes.round_with_codes``, likewise) and its ranking sweep's blocks (``memory/evict.py``,
-``fused_memory_evict``; reference: the loop of ``_evict_sweep``, likewise) and each block's list of candidates
-for window attention (``memory/lists.py``, ``fused_memory_lists``; reference: ``_memory_lists``, likewise); rotary embedding in one launch
-(``window/rotate.py``, ``fused_rotate``; reference: ``rotate_by``, likewise); what a piece of tokens carries into the
-window's state (``window/carry.py``): the sinks' slots (``fused_sinks``; reference: ``fill_sinks``, likewise) and
-the window the next piece continues from (``fused_next_window``; reference: ``next_window``, likewise).
+``fused_memory_evict``; reference: the loop of ``_evict_sweep``, likewise) and each block's list of candidates for
+window attention (``memory/lists.py``, ``fused_memory_lists``; reference: ``_memory_lists``, likewise); rotary
+embedding in one launch (``window/rotate.py``, ``fused_rotate``; reference: ``rotate_by``, likewise); what a piece of
+tokens carries into the window's state (``window/carry.py``): the sinks' slots (``fused_sinks``; reference:
+``fill_sinks``, likewise) and the window the next piece continues from (``fused_next_window``; reference:
+``next_window``, likewise).
 
     o, final_state = chunk_aaren(s, v, g=None, initial_state=None, output_final_state=False, cu_seqlens=None,
                                  chunk_size=64)

@@ -12,7 +12,6 @@ and counts, exactly; the order within them is the candidates' (the reference's t
 """
 
 import torch
-import triton
 import triton.language as tl
 
 from ..aaren.chunk import _ADD, get_kernel
