@@ -19,7 +19,9 @@ timing.
 
 import argparse
 import contextlib
+import importlib
 import os
+import pkgutil
 import sys
 from unittest import mock
 
@@ -68,11 +70,14 @@ def triton_kernels_as_a_gpu_runs_them(window_kernel: bool):
     Triton's interpreter, each launch counted as one operator (the interpreter's own PyTorch calls, which a GPU does
     not make, uncounted); the operators around them are counted as they run. The C kernels stay off."""
     import aaren_hf.kernels as kernels
-    from aaren_hf.kernels.aaren import chunk as scan_chunk, fused_recurrent
-    from aaren_hf.kernels.memory import codes as memory_codes, evict as memory_evict, lists as memory_lists
-    from aaren_hf.kernels.window import chunk as window_chunk, fused_recurrent as window_step, rotate, carry
+    from aaren_hf.kernels.aaren import chunk as scan_chunk
 
     real = scan_chunk.get_kernel
+    # every module that launches a kernel through get_kernel, found rather than listed (a kernel left off a list
+    # went uncounted): each imported its own name for it
+    modules = [importlib.import_module(info.name)
+               for info in pkgutil.walk_packages(kernels.__path__, kernels.__name__ + ".") if not info.ispkg]
+    launching = [m for m in modules if getattr(m, "get_kernel", None) is real]
 
     def get_kernel(fn, **kwargs):
         kernel = real(fn, **kwargs)
@@ -88,9 +93,7 @@ def triton_kernels_as_a_gpu_runs_them(window_kernel: bool):
 
     triton = lambda x: "triton"  # noqa: E731
     return ([mock.patch.object(kernels, "select_backend", triton), mock.patch.dict(os.environ, TRITON_INTERPRET="1")]
-            + [mock.patch.object(m, "get_kernel", get_kernel) for m in (scan_chunk, fused_recurrent, window_chunk,
-                                                                       window_step, memory_codes, memory_evict,
-                                                                       memory_lists, rotate, carry)]
+            + [mock.patch.object(m, "get_kernel", get_kernel) for m in launching]
             + ([mock.patch.object(modeling, "select_backend", triton)] if window_kernel else []))
 
 
