@@ -286,26 +286,27 @@ def rotate(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, angles=No
     ``angles``: ``rotary_angles(pos, inv_freq)`` where the caller has them already."""
     if inv_freq.shape[0] == 0:
         return x
+    cos, sin = angles or rotary_angles(pos, inv_freq)
     if torch.is_grad_enabled() and x.requires_grad:
-        return _Rotate.apply(x, pos, inv_freq, angles)
-    return rotate_by(x, *(angles or rotary_angles(pos, inv_freq)))
+        return _Rotate.apply(x, cos, sin)
+    return rotate_by(x, cos, sin)
 
 
 class _Rotate(torch.autograd.Function):
-    """:func:`rotate` whose backward turns the gradient back by the same angles, computed again from the positions:
-    training keeps no cos and sin (two float32 [B, T, rot] per call, which autograd would keep for the products).
-    The same gradient bit for bit: the transpose of the rotation is the rotation by -angle."""
+    """:func:`rotate_by` whose backward turns the gradient back by the same angles: the transpose of the rotation is
+    the rotation by -angle, so the same gradient bit for bit as autograd's through the products, in one pass. It
+    keeps the angles rather than computing them again (five operators a call): the layers of a pass share them
+    (:class:`Rotary`), so a train step keeps one set, as the teacher keeps its cos and sin."""
 
     @staticmethod
-    def forward(ctx, x, pos, inv_freq, angles=None):
-        ctx.save_for_backward(pos, inv_freq)
-        return rotate_by(x, *(angles or rotary_angles(pos, inv_freq)))
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return rotate_by(x, cos, sin)
 
     @staticmethod
     def backward(ctx, grad):
-        pos, inv_freq = ctx.saved_tensors
-        cos, sin = rotary_angles(pos, inv_freq)
-        return rotate_by(grad, cos, -sin), None, None, None
+        cos, sin = ctx.saved_tensors
+        return rotate_by(grad, cos, sin, inverse=True), None, None
 
 
 class Rotary:
@@ -313,7 +314,8 @@ class Rotary:
     position 0): at the tokens' positions (keys and queries), and those by which the sink keys turn (back by
     0..n-1 in :func:`_sink_scores`, on to the window's edge in a decode step). Each is computed when first asked and
     serves every layer of the pass with the same frequencies (:meth:`AarenMixer.rotary`): the same bits, 3 x 6
-    operators a layer fewer in a prefill."""
+    operators a layer fewer in a prefill, and in training 2 x 6 in the forward and, with ``_Rotate``, none in the
+    backward."""
 
     def __init__(self, pos: torch.Tensor, inv_freq: torch.Tensor):
         self.pos, self.inv_freq = pos.clamp(min=0), inv_freq
@@ -358,18 +360,21 @@ def rotary_angles(pos: torch.Tensor, inv_freq: torch.Tensor):
     return angles.cos(), angles.sin()
 
 
-def rotate_by(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """:func:`rotate` with the angles' cos and sin from :func:`rotary_angles`. With the aaren_hf package one pass
-    gives the same bits where autograd need not see it (as in ``_Rotate``): C on a CPU (``rotate_cpu``), a Triton
-    launch on a GPU (``fused_rotate``; kernels/window); this code is their reference."""
+def rotate_by(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """:func:`rotate` with the angles' cos and sin from :func:`rotary_angles`; ``inverse``: by their negatives (as
+    with -sin). With the aaren_hf package one pass gives the same bits where autograd need not see it (as in
+    ``_Rotate``): C on a CPU (``rotate_cpu``), a Triton launch on a GPU (``fused_rotate``, which negates in
+    registers; kernels/window); this code is their reference."""
     if not (torch.is_grad_enabled() and x.requires_grad):
         rotated = None
         if takes_triton(fused_rotate, x):
-            rotated = fused_rotate(x, cos, sin)
+            rotated = fused_rotate(x, cos, sin, inverse)
         elif rotate_cpu is not None:
-            rotated = rotate_cpu(x, cos, sin)
+            rotated = rotate_cpu(x, cos, -sin if inverse else sin)
         if rotated is not None:
             return rotated
+    if inverse:
+        sin = -sin
     rot = cos.shape[-1]
     xr, xp = x[..., :rot].float(), x[..., rot:]
     x1, x2 = xr[..., : rot // 2], xr[..., rot // 2 :]
@@ -1409,12 +1414,13 @@ class AarenMixer(nn.Module):
         return out.to(q.dtype)
 
     def rotary(self, pos, shared: Optional[dict]) -> Rotary:
-        """The :class:`Rotary` of this piece's positions for the window branch: without gradients (prefill and
-        decoding) one per pass for every layer with the same frequencies (``shared``); per layer while training (a
-        data-parallel wrapper writes the buffers each step, a new version to compare: on a GPU a read back per layer
-        and step), while torch.compile traces, or where the frequencies cannot be compared (the meta device,
-        inference tensors)."""
-        sharing = shared is not None and not torch.is_grad_enabled() and not _compiling()
+        """The :class:`Rotary` of this piece's positions for the window branch: one per pass for every layer with the
+        same frequencies (``shared``), in training too, where ``_Rotate`` keeps one set of angles for all of them;
+        per layer while torch.compile traces, or where the frequencies cannot be compared (the meta device, inference
+        tensors). The comparison is asked of the device once per version of the buffers (``_same_values``): once in
+        all, or once a step for each layer under a data-parallel wrapper that broadcasts buffers every step (DDP's
+        default; they never change, so ``broadcast_buffers=False`` spares those reads)."""
+        sharing = shared is not None and not _compiling()
         known = shared.setdefault("rotary", []) if sharing else []
         for rotary in known:
             if _same_values(rotary.inv_freq, self.rope_inv_freq):

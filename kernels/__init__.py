@@ -170,13 +170,13 @@ def fused_memory_evict(rank, top, evict, e_first, block, upto, memory_size):
     return memory_evict_triton(rank, top, evict, e_first, block, upto, memory_size)
 
 
-def fused_rotate(x, cos, sin):
+def fused_rotate(x, cos, sin, inverse=False):
     """``rotate_by`` (modeling_aaren.py) in one Triton launch (``window/rotate.py``), the same bits; None where it does
     not take the inputs. No gradient (``_Rotate`` provides it). Callers check ``select_backend(x) == "triton"``
     first."""
     from .window.rotate import rotate_triton
 
-    return rotate_triton(x, cos, sin)
+    return rotate_triton(x, cos, sin, inverse)
 
 
 def fused_sinks(k, v, pos, sink_k, sink_v, sink_pos):

@@ -912,9 +912,10 @@ aot(window_carry._next_window_kernel, dict(k_prev=B, v_prev=B, pos_prev=I, k=B, 
     num_stages=1)
 aot(memory_lists._lists_kernel, dict(evict=I, last=I, idx=I, seen_count=I, C="i32", T="i32", Q="i32", K="i32"),
     dict(HKV=3, BC=1024), num_warps=4, num_stages=1)
-for x, D, BD, rot in ((B, 64, 64, 64), (P, 96, 128, 32)):
+for x, D, BD, rot, inverse in ((B, 64, 64, 64, False), (B, 64, 64, 64, True), (P, 96, 128, 32, False)):
     aot(rotate._rotate_kernel, dict(x=x, cos=P, sin=P, out=x, NH="i64", T="i32", stride_b="i64", stride_t="i64"),
-        dict(H=9, D=D, BD=BD, ROT=rot, BR=4096 // BD), num_warps=4, num_stages=1, enable_fp_fusion=False)
+        dict(H=9, D=D, BD=BD, ROT=rot, BR=4096 // BD, INVERSE=inverse), num_warps=4, num_stages=1,
+        enable_fp_fusion=False)
 """
 
 
@@ -1204,9 +1205,9 @@ def test_c_rotary_is_the_references_bit_for_bit(shape, rot, monkeypatch):
 def test_rotary_kernel_is_the_references_bit_for_bit(shape, rot, dtype, monkeypatch):
     """rotate_by in Triton (kernels/window/rotate.py) against its PyTorch code: full and partial rotary, widths that
     are not a power of 2, one token and many (rows that fill no whole program), large angles, values of every scale
-    the dtype holds, turned back (sin negated) too, token rows strided or broadcast; as a GPU runs the model,
-    ``rotate`` with a gradient (``_Rotate``) goes through it forward and backward, the same output and gradient bit
-    for bit as autograd through the reference."""
+    the dtype holds, turned back (sin negated, or ``inverse``) too, token rows strided or broadcast; as a GPU runs
+    the model, ``rotate`` with a gradient (``_Rotate``) goes through it forward and backward, the same output and
+    gradient bit for bit as autograd through the reference."""
     import aaren_hf.modeling_aaren as modeling
 
     gen = torch.Generator().manual_seed(rot)
@@ -1221,13 +1222,15 @@ def test_rotary_kernel_is_the_references_bit_for_bit(shape, rot, dtype, monkeypa
     # token rows read where they lie: every other token, and one sequence's tokens broadcast over the batch
     views = [(x[:, ::2], cos[:, :(shape[1] + 1) // 2].contiguous(), sin[:, :(shape[1] + 1) // 2].contiguous()),
              (x[:1].expand_as(x), cos, sin)]
-    want = [modeling.rotate_by(x, cos, sin), modeling.rotate_by(x, cos, -sin), modeling.rotate(x, pos, inv_freq)]
+    want = [modeling.rotate_by(x, cos, sin), modeling.rotate_by(x, cos, -sin), modeling.rotate_by(x, cos, -sin),
+            modeling.rotate(x, pos, inv_freq)]
     want += [torch.autograd.grad(modeling.rotate(xg, pos, inv_freq), xg, grad)[0]]
     want += [modeling.rotate_by(*view) for view in views]
     ran = []
     monkeypatch.setattr(modeling, "fused_rotate", lambda *a: ran.append(1) or K.fused_rotate(*a))
     monkeypatch.setattr(modeling, "launch_bound", lambda device: True)
-    got = [K.fused_rotate(x, cos, sin), K.fused_rotate(x, cos, -sin), modeling.rotate(x, pos, inv_freq)]
+    got = [K.fused_rotate(x, cos, sin), K.fused_rotate(x, cos, -sin), K.fused_rotate(x, cos, sin, True),
+           modeling.rotate(x, pos, inv_freq)]
     got += [torch.autograd.grad(modeling.rotate(xg, pos, inv_freq), xg, grad)[0]]
     got += [K.fused_rotate(*view) for view in views]
     assert len(ran) == 3  # rotate without a gradient, then _Rotate's forward and its backward

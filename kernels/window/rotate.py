@@ -19,7 +19,7 @@ from .fused_recurrent import _cast, _rotated
 
 
 def _rotate_kernel(x, cos, sin, out, NH, T, stride_b, stride_t, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-                   ROT: tl.constexpr, BR: tl.constexpr):
+                   ROT: tl.constexpr, BR: tl.constexpr, INVERSE: tl.constexpr):
     # one program per BR rows of D channels (a token's head each); the angles are the token's, shared by its heads.
     # x's token rows may be strided (the sink keys, one copy broadcast over the turns they take)
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)[:, None]
@@ -30,14 +30,16 @@ def _rotate_kernel(x, cos, sin, out, NH, T, stride_b, stride_t, H: tl.constexpr,
     m_a = m_r & (cols < ROT)
     c = tl.load(cos + angle, mask=m_a, other=1.0)
     s = tl.load(sin + angle, mask=m_a, other=0.0)
+    if INVERSE:  # -sin, as the reference negates it: exact
+        s = -s
     y = _rotated(x, (token // T) * stride_b + (token % T) * stride_t + (rows % H) * D, m_r, cols, c, s, D, ROT)
     tl.store(out + rows * D + cols, _cast(y, out.dtype.element_ty), mask=m_r & (cols < D))
 
 
-def rotate_triton(x, cos, sin):
-    """``rotate_by(x, cos, sin)`` in one launch, the same bits: x [B, T, h, D] (float32, bfloat16 or float16) on a
-    GPU, cos and sin [B, T, 1, rot] float32 as ``rotary_angles`` gives them (sin negated turns back). None where the
-    kernel does not take the inputs (other shapes or dtypes: the reference serves). No gradient: ``_Rotate`` (or
+def rotate_triton(x, cos, sin, inverse=False):
+    """``rotate_by(x, cos, sin, inverse)`` in one launch, the same bits: x [B, T, h, D] (float32, bfloat16 or float16)
+    on a GPU, cos and sin [B, T, 1, rot] float32 as ``rotary_angles`` gives them (``inverse`` turns back). None where
+    the kernel does not take the inputs (other shapes or dtypes: the reference serves). No gradient: ``_Rotate`` (or
     no_grad) provides it."""
     rot = cos.shape[-1]
     if (x.dim() != 4 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or rot % 2 or rot > x.shape[-1]
@@ -55,5 +57,5 @@ def rotate_triton(x, cos, sin):
         BR = max(1, 4096 // BD)
         get_kernel(_rotate_kernel, key=("H", "D", "ROT"), warps=(4,), stages=(1,))[(triton.cdiv(NH, BR),)](
             x, cos, sin, out, NH, T, x.stride(0), x.stride(1), H=H, D=D, BD=BD, ROT=rot, BR=BR,
-            enable_fp_fusion=False)
+            INVERSE=bool(inverse), enable_fp_fusion=False)
     return out
