@@ -35,9 +35,10 @@ print('torch', torch.__version__, '| triton', triton.__version__, '| transformer
 # Budgeted to end inside one 10-minute call (the timeouts below add up to 540 s after the install), in order of
 # what matters most: correctness, then the whole model (prefill and generate, then train steps), then the scan.
 status=0
-timeout 150 python3 -m pytest -q -p no:cacheprovider -m requires_gpu -rA tests/test_kernels.py tests/test_model.py \
+# -v: each test's result prints as it ends, so a run the timeout stops still shows which passed
+timeout 150 python3 -m pytest -v -p no:cacheprovider -m requires_gpu -rfE tests/test_kernels.py tests/test_model.py \
   tests/test_window_step_kernel.py \
-  2>&1 | tee "$LOG/test_gpu.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|Error|assert" | tail -40
+  2>&1 | tee "$LOG/test_gpu.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|Error|assert" | tail -60
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 
 # whole model vs teacher (SmolLM2-135M shape, random weights, bf16): tokens/s, peak memory and ratios in one run;
