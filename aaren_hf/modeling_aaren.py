@@ -33,9 +33,9 @@ from .configuration_aaren import AarenConfig
 try:  # Triton kernels on CUDA and the C kernels on CPUs, when this package is installed; the PyTorch code in this
     # file serves everywhere else (a checkpoint's own copy of it: nothing else to install)
     from aaren_hf.kernels import (WINDOW_BLOCK, chunk_aaren, fused_aaren_step, fused_chunk_aaren_mixed,
-                                  fused_memory_evict, fused_memory_lists, fused_memory_round, fused_next_window,
-                                  fused_recurrent_aaren, fused_rotate, fused_sinks, fused_window_attention,
-                                  fused_window_step, select_backend)
+                                  fused_keep_memory, fused_memory_evict, fused_memory_lists, fused_memory_round,
+                                  fused_next_window, fused_recurrent_aaren, fused_rotate, fused_sinks,
+                                  fused_window_attention, fused_window_step, select_backend)
     from aaren_hf.kernels.aaren import aaren_prefill_cpu
     from aaren_hf.kernels.memory import memory_evict_cpu, memory_prefill_cpu, memory_round_cpu
     from aaren_hf.kernels.mixer import mixer_prefill_cpu, mixer_step_cpu
@@ -46,7 +46,8 @@ except ImportError:
     aaren_prefill_cpu = memory_evict_cpu = memory_prefill_cpu = memory_round_cpu = None
     mixer_prefill_cpu = mixer_step_cpu = None
     rotate_cpu = window_attention_cpu = window_queries_cpu = None
-    fused_aaren_step = fused_chunk_aaren_mixed = fused_memory_evict = fused_memory_lists = fused_memory_round = None
+    fused_aaren_step = fused_chunk_aaren_mixed = fused_keep_memory = fused_memory_evict = fused_memory_lists = None
+    fused_memory_round = None
     fused_next_window = fused_rotate = fused_sinks = fused_window_attention = None
     fused_window_step = window_cpu_takes = window_prefill_cpu = None
 
@@ -1504,27 +1505,37 @@ class AarenMixer(nn.Module):
         else:
             cand_k, cand_v, cand_pos, cand_score, held = stream_k, stream_v, stream_pos, stream_score.transpose(1, 2), 0
         last, evict = memory_visibility(cand_pos, cand_score, held, self.window, self.num_sinks, M, T)
-        keep = memory_seen(evict, last[T:])[:, :, 0]
-        candidates = {"k": cand_k, "v": cand_v, "pos": cand_pos, "score": cand_score, "keep": keep,
-                      "stream_score": stream_score}
+        # "next": the next query's last eligible candidate: the memory it sees is what the state keeps
+        candidates = {"k": cand_k, "v": cand_v, "pos": cand_pos, "score": cand_score, "evict": evict,
+                      "next": last[T:], "stream_score": stream_score}
         if coded is not None:
             candidates["codes"] = coded
         return (cand_k, cand_v, evict, last, M), candidates
 
     def keep_memory(self, state, candidates, stored: torch.dtype):
         """Store the top set for the next query in M fixed slots (empty slots: position -1), so the state has the
-        same size from the first call on; keys and values in ``stored``."""
+        same size from the first call on; keys and values in ``stored``. On a GPU two Triton launches
+        (``fused_keep_memory``, kernels/memory/keep.py); the code below is their reference."""
         if "kept" in candidates:  # memory_candidates' C call left it
             for name, t in candidates["kept"].items():
                 setattr(state, "memory_" + name, t)
             return
-        keep, M = candidates["keep"], self.memory_size
-        B, Hkv, C = keep.shape
+        evict, M = candidates.pop("evict"), self.memory_size
+        B, Hkv, C = evict.shape
         coded = candidates.pop("codes", None)
         if coded is not None:  # the codes memory_candidates took (what as_stored would give again)
             D = candidates.pop("k").shape[-1]
             del candidates["v"]
             candidates.update(k=coded[0][0], v=coded[0][1], k_scale=coded[1][0], v_scale=coded[1][1])
+        if takes_triton(fused_keep_memory, evict):
+            kept = fused_keep_memory(evict, candidates["next"], M, candidates["k"], candidates["v"], candidates["pos"],
+                                     candidates["score"], candidates.get("k_scale"), candidates.get("v_scale"),
+                                     stored, 0 if coded is None or C >= M else self.memory_codes.empty_code(D))
+            if kept is not None:
+                for name, t in kept.items():
+                    setattr(state, "memory_" + name, t)
+                return
+        keep = memory_seen(evict, candidates["next"])[:, :, 0]
         if C < M:  # fewer candidates than slots: pad with empty ones
             pad = M - C
             keep = F.pad(keep, (0, pad))

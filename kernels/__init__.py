@@ -7,7 +7,8 @@ device) and its decode step in Triton (``window/fused_recurrent.py``, ``fused_wi
 ``AarenMixer.aaren_output``, likewise); the memory's codes in Triton (``memory/codes.py``, ``fused_memory_round``;
 reference: ``MemoryCodes.round_with_codes``, likewise) and its ranking sweep's blocks (``memory/evict.py``,
 ``fused_memory_evict``; reference: the loop of ``_evict_sweep``, likewise) and each block's list of candidates for
-window attention (``memory/lists.py``, ``fused_memory_lists``; reference: ``_memory_lists``, likewise); rotary
+window attention (``memory/lists.py``, ``fused_memory_lists``; reference: ``_memory_lists``, likewise) and the slots a
+prefill piece leaves (``memory/keep.py``, ``fused_keep_memory``; reference: ``AarenMixer.keep_memory``); rotary
 embedding in one launch (``window/rotate.py``, ``fused_rotate``; reference: ``rotate_by``, likewise); what a piece of
 tokens carries into the window's state (``window/carry.py``): the sinks' slots (``fused_sinks``; reference:
 ``fill_sinks``, likewise) and the window the next piece continues from (``fused_next_window``; reference:
@@ -195,6 +196,15 @@ def fused_next_window(k_prev, v_prev, pos_prev, k, v, pos, window, stream_score=
     from .window.carry import next_window_triton
 
     return next_window_triton(k_prev, v_prev, pos_prev, k, v, pos, window, stream_score)
+
+
+def fused_keep_memory(evict, last, M, k, v, pos, score, k_scale=None, v_scale=None, stored=None, empty=0):
+    """The memory's M slots after a prefill piece in two Triton launches (``memory/keep.py``: the candidates ordered
+    by ``lists.py``'s kernel, then copied; reference: ``AarenMixer.keep_memory`` in modeling_aaren.py), the same bits;
+    None where it does not take the inputs. Callers check ``select_backend(evict) == "triton"`` first."""
+    from .memory.keep import keep_memory_triton
+
+    return keep_memory_triton(evict, last, M, k, v, pos, score, k_scale, v_scale, stored, empty)
 
 
 def fused_memory_lists(evict, last, T, nblk, Q, width):

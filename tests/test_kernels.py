@@ -760,6 +760,56 @@ def test_memory_lists_kernel_gives_the_references_sets(monkeypatch):
             assert len(set(entries.tolist())) == K_ and not seen[b, n, h, entries[c:]].any(), (B, b, n, h)
 
 
+def _kept_memories(case, dtype, device, kernel, monkeypatch):
+    """(every layer's state after each of four prefill pieces as a GPU runs the model, how often the keep kernel
+    ran); the kernel where ``kernel``, else ``keep_memory``'s PyTorch code."""
+    from helpers import MIXER_CASES, tiny_model
+
+    import aaren_hf.modeling_aaren as modeling
+
+    model = tiny_model(chunk_size=16, **{**MIXER_CASES[case], "memory_size": 24}).to(device, dtype)
+    ids = torch.randint(3, 60, (2, 127), generator=torch.Generator().manual_seed(1)).to(device)
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+    ran = []
+    with monkeypatch.context() as m, torch.no_grad():
+        m.setattr(modeling, "launch_bound", lambda device: True)
+        for name in ("memory_prefill_cpu", "window_prefill_cpu"):  # C kernels, which a GPU's tensors skip
+            m.setattr(modeling, name, None)
+        m.setattr(modeling, "fused_keep_memory",
+                  (lambda *a: ran.append(1) or K.fused_keep_memory(*a)) if kernel else None)
+        cache, out = modeling.AarenCache(model.config), []
+        for piece in (slice(0, 5), slice(5, 17), slice(17, 37), slice(37, 127)):
+            model(ids[:, piece], attention_mask=mask[:, :piece.stop], past_key_values=cache, use_cache=True)
+            out += [t.clone() for layer in cache.layers for t in layer.tensors().values()]
+    return out, len(ran) / model.config.num_hidden_layers
+
+
+@needs_triton
+@pytest.mark.parametrize("case,dtype", [("memory_learned", torch.float32), ("memory_learned", torch.bfloat16),
+                                        ("memory_kv_bf16", torch.float32), ("memory_int8", torch.float32),
+                                        ("memory_int4_hadamard", torch.bfloat16), ("memory_int4_gqa", torch.float32)])
+def test_keep_memory_kernel_leaves_the_references_state_bit_for_bit(case, dtype, monkeypatch):
+    """The memory a prefill piece leaves, in Triton (kernels/memory/keep.py), against ``AarenMixer.keep_memory``'s
+    PyTorch code, as a GPU runs the model: every layer's state after each of four pieces bit for bit (slots in the
+    same order, what was not kept cleared, empty slots as the reference pads them), where the candidates are fewer
+    than the M = 24 slots (a first piece of 5 tokens) and many more (a piece of 90), a left-padded row; plain keys and
+    values, stored in another dtype, 8- and 4-bit codes with their scales, two kv heads."""
+    (got, ran), (want, _) = (_kept_memories(case, dtype, "cpu", kernel, monkeypatch) for kernel in (True, False))
+    assert ran == 4
+    assert len(got) == len(want) and all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.requires_gpu
+@pytest.mark.parametrize("case,dtype", [("memory_learned", torch.float32), ("memory_int4_hadamard", torch.bfloat16)])
+def test_gpu_keep_memory_kernel_leaves_the_references_state_bit_for_bit(case, dtype, monkeypatch):
+    """The compiled keep kernel on CUDA against ``keep_memory``'s PyTorch code on the same GPU: the states bit for
+    bit."""
+    (got, ran), (want, _) = (_kept_memories(case, dtype, "cuda", kernel, monkeypatch) for kernel in (True, False))
+    assert ran == 4
+    assert len(got) == len(want) and all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, want))
+
+
 @pytest.mark.requires_gpu
 def test_gpu_memory_ranking_kernel_gives_the_cpu_heaps_indices(monkeypatch):
     """The compiled ranking kernel on CUDA, a 32K-token piece at SmolLM2's memory shape in one pass, against the C
@@ -855,7 +905,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 from aaren_hf.kernels.aaren import chunk, fused_recurrent
-from aaren_hf.kernels.memory import codes as memory_codes, evict as memory_evict, lists as memory_lists
+from aaren_hf.kernels.memory import codes as memory_codes, evict as memory_evict, keep as memory_keep
+from aaren_hf.kernels.memory import lists as memory_lists
 from aaren_hf.kernels.window import chunk as window_chunk, fused_recurrent as window_step, rotate
 from aaren_hf.kernels.window import carry as window_carry
 
@@ -912,6 +963,11 @@ aot(window_carry._next_window_kernel, dict(k_prev=B, v_prev=B, pos_prev=I, k=B, 
     num_stages=1)
 aot(memory_lists._lists_kernel, dict(evict=I, last=I, idx=I, seen_count=I, C="i32", T="i32", Q="i32", K="i32"),
     dict(HKV=3, BC=1024), num_warps=4, num_stages=1)
+for kv, scale, E, has_scale in (("*u8", B, 32, True), (B, I, 64, False)):
+    aot(memory_keep._keep_kernel, dict(idx=I, kept=I, k=kv, v=kv, k_scale=scale, v_scale=scale, pos=I, score=P,
+                                       new_k=kv, new_v=kv, new_k_scale=scale, new_v_scale=scale, new_pos=I,
+                                       new_score=P, C="i32", M="i32", K="i32", EMPTY="i32"),
+        dict(E=E, BE=E, BM=64, HAS_SCALE=has_scale), num_warps=4, num_stages=1)
 for x, D, BD, rot, inverse in ((B, 64, 64, 64, False), (B, 64, 64, 64, True), (P, 96, 128, 32, False)):
     aot(rotate._rotate_kernel, dict(x=x, cos=P, sin=P, out=x, NH="i64", T="i32", stride_b="i64", stride_t="i64"),
         dict(H=9, D=D, BD=BD, ROT=rot, BR=4096 // BD, INVERSE=inverse), num_warps=4, num_stages=1,

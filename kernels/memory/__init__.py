@@ -1,8 +1,9 @@
 """The memory tier's kernels; ``modeling_aaren.py`` holds the reference, which runs wherever they do not (no
 compiler, ``AAREN_BACKEND=torch``, a checkpoint's own copy of the code). On a GPU, in Triton: the codes
 (``codes.py``: ``fused_memory_round`` in ``aaren_hf.kernels``, and the decode step's coding), the ranking sweep's
-blocks (``evict.py``: ``fused_memory_evict``) and each block of queries' list of candidates for window attention
-(``lists.py``: ``fused_memory_lists``). On a CPU, in C:
+blocks (``evict.py``: ``fused_memory_evict``), each block of queries' list of candidates for window attention
+(``lists.py``: ``fused_memory_lists``) and the slots a prefill piece leaves (``keep.py``: ``fused_keep_memory``, its
+order from the lists kernel). On a CPU, in C:
 
 - ``memory_evict_cpu`` (``evict.c``): when each candidate leaves the memory, for ``memory_visibility``, whose block
   sweep is the reference. Same indices, exactly (tests/test_model.py runs the brute-force check on both); a heap per

@@ -49,17 +49,24 @@ def _lists_kernel(evict, last, idx, seen_count, C, T, Q, K, HKV: tl.constexpr, B
     tl.store(seen_count + at_list, total.to(tl.int64))
 
 
-def memory_lists_triton(evict, last, T: int, nblk: int, Q: int, width: int):
-    """``_memory_lists(evict, last, T, nblk, Q, width)``: evict [B, Hkv, C] (the index at which each candidate leaves
-    the memory), last [>= T] (each query's last eligible candidate index). Returns (indices [B, nblk, Hkv, K] with
-    K = min(C, width), each block's seen candidates first, then unseen ones, none twice; counts [nblk], the most any
-    list of the block sees)."""
+def candidate_lists(evict, last, T: int, nblk: int, Q: int, K: int):
+    """(indices [B, nblk, Hkv, K]: each block's seen candidates first, then unseen ones, each group in candidate
+    order, none twice; seen [B, nblk, Hkv] int64: how many each list sees), K <= C. Also the memory a piece leaves
+    (``keep.py``: one block, the next query)."""
     B, Hkv, C = evict.shape
-    K = max(1, min(C, width))
     evict, last = evict.contiguous(), last.contiguous()
     idx = torch.empty(B, nblk, Hkv, K, dtype=torch.int64, device=evict.device)
     seen = torch.empty(B, nblk, Hkv, dtype=torch.int64, device=evict.device)
     if B * Hkv and nblk:
         get_kernel(_lists_kernel, key=("HKV", "BC"), warps=(4,), stages=(1,))[(nblk, B * Hkv)](
             evict, last, idx, seen, C, T, Q, K, HKV=Hkv, BC=BC)
+    return idx, seen
+
+
+def memory_lists_triton(evict, last, T: int, nblk: int, Q: int, width: int):
+    """``_memory_lists(evict, last, T, nblk, Q, width)``: evict [B, Hkv, C] (the index at which each candidate leaves
+    the memory), last [>= T] (each query's last eligible candidate index). Returns (indices [B, nblk, Hkv, K] with
+    K = min(C, width), each block's seen candidates first, then unseen ones, none twice; counts [nblk], the most any
+    list of the block sees)."""
+    idx, seen = candidate_lists(evict, last, T, nblk, Q, max(1, min(evict.shape[-1], width)))
     return idx, seen.amax((0, 2))
