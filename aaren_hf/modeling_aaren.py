@@ -878,7 +878,8 @@ def memory_visibility(cand_pos, cand_score, first_stream, window, num_sinks, mem
     B, Hkv, C = cand_pos.shape
     M, device = memory_size, cand_pos.device
     P = C - first_stream - T
-    last = first_stream - 1 + (P + torch.arange(T + 1, device=device) - window + 1).clamp(min=0)
+    # the offsets folded into the arange's bounds: three operators, not six (each a launch on a GPU)
+    last = torch.arange(P - window + 1, P - window + T + 2, device=device).clamp(min=0) + (first_stream - 1)
     real = cand_pos >= num_sinks
     upto = first_stream + max(0, P + T - window + 1)  # last[-1] + 1: later candidates are seen by no query of this call
     evict = None
