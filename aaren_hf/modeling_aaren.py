@@ -918,11 +918,12 @@ def _evict_sweep(cand_pos, cand_score, real, upto, M, block, pairs):
     evict = torch.full((B, Hkv, C + 1), C, dtype=torch.long, device=device)
     K, n_blocks = min(M, C), -(-upto // block)
     for first in range(0, n_blocks, at_once):
-        e0 = torch.arange(first, min(first + at_once, n_blocks), device=device).view(-1, 1) * block  # [n, 1]
+        # (masked_fill with a number where torch.where would first make the number a tensor: one launch fewer)
+        e0 = torch.arange(first * block, min(first + at_once, n_blocks) * block, block, device=device).view(-1, 1)
         # the top set before each block: the K highest ranks among the candidates before its first (none: column C)
-        earlier = torch.arange(C + 1, device=device) < e0  # [n, C + 1]
-        top_rank, top = torch.where(earlier, rank.unsqueeze(2), -1).topk(K, dim=-1)  # [B, Hkv, n, K]
-        top = torch.where(top_rank >= 0, top, C)
+        later = torch.arange(C + 1, device=device) >= e0  # [n, C + 1]
+        top_rank, top = rank.unsqueeze(2).masked_fill(later, -1).topk(K, dim=-1)  # [B, Hkv, n, K]
+        top = top.masked_fill_(top_rank < 0, C)
         if kernel:
             fused_memory_evict(rank, top, evict, first * block, block, upto, M)
             continue
