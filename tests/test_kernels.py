@@ -966,8 +966,9 @@ aot(memory_lists._lists_kernel, dict(evict=I, last=I, idx=I, seen_count=I, C="i3
 for kv, scale, E, has_scale in (("*u8", B, 32, True), (B, I, 64, False)):
     aot(memory_keep._keep_kernel, dict(idx=I, kept=I, k=kv, v=kv, k_scale=scale, v_scale=scale, pos=I, score=P,
                                        new_k=kv, new_v=kv, new_k_scale=scale, new_v_scale=scale, new_pos=I,
-                                       new_score=P, C="i32", M="i32", K="i32", EMPTY="i32"),
-        dict(E=E, BE=E, BM=64, HAS_SCALE=has_scale), num_warps=4, num_stages=1)
+                                       new_score=P, C="i32", M="i32", K="i32", EMPTY="i32", pos_b="i64",
+                                       pos_h="i64", pos_c="i64", score_b="i64", score_h="i64", score_c="i64"),
+        dict(HKV=3, E=E, BE=E, BM=64, HAS_SCALE=has_scale), num_warps=4, num_stages=1)
 for x, D, BD, rot, inverse in ((B, 64, 64, 64, False), (B, 64, 64, 64, True), (P, 96, 128, 32, False)):
     aot(rotate._rotate_kernel, dict(x=x, cos=P, sin=P, out=x, NH="i64", T="i32", stride_b="i64", stride_t="i64"),
         dict(H=9, D=D, BD=BD, ROT=rot, BR=4096 // BD, INVERSE=inverse), num_warps=4, num_stages=1,

@@ -24,8 +24,8 @@ def _copy_rows(x, out, src, dst, has, m_m, m_e, EMPTY):
 
 
 def _keep_kernel(idx, kept, k, v, k_scale, v_scale, pos, score, new_k, new_v, new_k_scale, new_v_scale, new_pos,
-                 new_score, C, M, K, EMPTY, E: tl.constexpr, BE: tl.constexpr, BM: tl.constexpr,
-                 HAS_SCALE: tl.constexpr):
+                 new_score, C, M, K, EMPTY, pos_b, pos_h, pos_c, score_b, score_h, score_c, HKV: tl.constexpr,
+                 E: tl.constexpr, BE: tl.constexpr, BM: tl.constexpr, HAS_SCALE: tl.constexpr):
     # slot m of row (sequence, kv head) takes candidate idx[m] (the first `kept` of them are kept); slots past the
     # K = min(C, M) candidates stay empty, as the reference's padding leaves them
     row = tl.program_id(0).to(tl.int64)
@@ -43,9 +43,13 @@ def _keep_kernel(idx, kept, k, v, k_scale, v_scale, pos, score, new_k, new_v, ne
     if HAS_SCALE:  # an empty slot's scale is 0
         tl.store(new_k_scale + row * M + m, tl.load(k_scale + row * C + c, mask=has, other=0), mask=m_m)
         tl.store(new_v_scale + row * M + m, tl.load(v_scale + row * C + c, mask=has, other=0), mask=m_m)
-    # what was not kept: position -1, score -inf (its key and value stay, as the reference leaves them)
-    tl.store(new_pos + row * M + m, tl.load(pos + row * C + c, mask=has & keep, other=-1), mask=m_m)
-    tl.store(new_score + row * M + m, tl.load(score + row * C + c, mask=has & keep, other=float("-inf")), mask=m_m)
+    # what was not kept: position -1, score -inf (its key and value stay, as the reference leaves them). Positions
+    # and scores are read where they lie: a first piece's are views (broadcast over the heads; transposed)
+    b, h = row // HKV, row % HKV
+    p = tl.load(pos + b * pos_b + h * pos_h + c * pos_c, mask=has & keep, other=-1)
+    tl.store(new_pos + row * M + m, p, mask=m_m)
+    s = tl.load(score + b * score_b + h * score_h + c * score_c, mask=has & keep, other=float("-inf"))
+    tl.store(new_score + row * M + m, s, mask=m_m)
 
 
 def keep_memory_triton(evict, last, M: int, k, v, pos, score, k_scale=None, v_scale=None, stored=None, empty=0):
@@ -80,7 +84,7 @@ def keep_memory_triton(evict, last, M: int, k, v, pos, score, k_scale=None, v_sc
         BE = triton.next_power_of_2(E)
         BM = max(1, min(64, 8192 // BE))
         get_kernel(_keep_kernel, key=("E", "BM"), warps=(4,), stages=(1,))[(B * Hkv, triton.cdiv(M, BM))](
-            idx, kept, k.contiguous(), v.contiguous(), scales[0], scales[1], pos.contiguous(), score.contiguous(),
-            new_k, new_v, scales[2], scales[3], out["pos"], out["score"], C, M, K, empty, E=E, BE=BE, BM=BM,
-            HAS_SCALE=coded)
+            idx, kept, k.contiguous(), v.contiguous(), scales[0], scales[1], pos, score, new_k, new_v, scales[2],
+            scales[3], out["pos"], out["score"], C, M, K, empty, *pos.stride(), *score.stride(), HKV=Hkv, E=E, BE=BE,
+            BM=BM, HAS_SCALE=coded)
     return out
