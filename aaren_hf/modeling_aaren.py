@@ -80,6 +80,13 @@ def takes_triton(kernel, x: torch.Tensor) -> bool:
     return kernel is not None and launch_bound(x.device) and select_backend(x) == "triton"
 
 
+def takes_c(kernel, x: torch.Tensor) -> bool:
+    """Whether ``kernel`` (one of this package's C kernels, None without the package) may serve tensors like x: where
+    work is not launch-bound (a CPU, unless tests say it is a GPU: then what a GPU runs runs here). The kernel still
+    returns None where it does not take its inputs (gradients wanted, float64, ``AAREN_BACKEND=torch``)."""
+    return kernel is not None and not launch_bound(x.device)
+
+
 def prefill_piece(batch: int, device: torch.device) -> int:
     """Tokens per sequence in each piece of a prefill: activations stay bounded at any prompt length."""
     return max(PREFILL_CHUNK, PREFILL_TOKENS_GPU // batch) if launch_bound(device) else PREFILL_CHUNK
@@ -109,7 +116,7 @@ class AarenLayerState:
     def reset(self):
         self.aaren_o = None  # [B, H*J, D] float32
         self.aaren_lse = None  # [B, H*J] float32, -inf when empty
-        self.window_k = None  # [B, <=W-1, Hkv, D] rotated keys of the last W-1 tokens (padding included, flagged by pos)
+        self.window_k = None  # [B, <=W-1, Hkv, D] rotated keys of the last W-1 tokens (padding included: see pos)
         self.window_v = None
         self.window_pos = None  # [B, <=W] position of each entry, -1 for padding
         self.sink_k = None  # [B, S, Hkv, D] keys of the first S real tokens, rotated at their own position
@@ -370,8 +377,8 @@ def rotate_by(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bo
         rotated = None
         if takes_triton(fused_rotate, x):
             rotated = fused_rotate(x, cos, sin, inverse)
-        elif rotate_cpu is not None:
-            rotated = rotate_cpu(x, cos, -sin if inverse else sin)
+        elif takes_c(rotate_cpu, x):
+            rotated = rotate_cpu(x, cos, sin, inverse)
         if rotated is not None:
             return rotated
     if inverse:
@@ -435,7 +442,7 @@ def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sin
     G, W, S = H // Hkv, window, sink_k.shape[1]
     # a kernel where one takes the inputs: Triton on a GPU, C on a CPU
     if takes_triton(fused_window_attention, q) or (
-            window_attention_cpu is not None and not launch_bound(q.device) and window_cpu_takes(q, k, v)):
+            takes_c(window_attention_cpu, q) and window_cpu_takes(q, k, v)):
         return _window_attention_fused(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sink_pos, window,
                                        rotary, scale, memory)
     k_all = torch.cat([k_prev.to(k.dtype), k], 1)
@@ -547,7 +554,7 @@ def _window_attention_fused(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink
     S, attend = sink_k.shape[1], _attention_dtype(q)
     in_triton = takes_triton(fused_window_attention, q)
     queries = None
-    if window_queries_cpu is not None and not in_triton:
+    if takes_c(window_queries_cpu, q):
         # with the aaren_hf package, on a CPU without gradients: the queries' lines below (rotation, the sinks'
         # scores and what each query sees of them) in one C call (kernels/window/chunk.c), equal to rounding
         queries = window_queries_cpu(q, pos, rotary.angles(), sink_k, sink_pos,
@@ -796,7 +803,7 @@ class MemoryCodes:
         rounded = None
         if takes_triton(fused_memory_round, x):
             rounded = fused_memory_round(x.detach(), self.bits, self.rotate)
-        elif memory_round_cpu is not None:
+        elif takes_c(memory_round_cpu, x):
             rounded = memory_round_cpu(x.detach(), self.bits, self.rotate)
         if rounded is None:
             coded = self.encode(x.detach())
@@ -843,6 +850,16 @@ def _autocast_on(device_type: str) -> bool:
         return False
 
 
+def mix_branches(o_win: torch.Tensor, mix=None) -> torch.Tensor:
+    """A layer's output from its window branch's o_win [B, T, H, D]: as it is, or with ``mix`` = (the Aaren
+    branch's output o [B, T, H, D], gate logits [H] or [B, T, H]) lerp(o, o_win, sigmoid(gate)) in o's dtype
+    (float32 inside), as the slots are mixed."""
+    if mix is None:
+        return o_win
+    o, gate = mix
+    return torch.lerp(o, o_win.to(o.dtype), torch.sigmoid(gate.float()).unsqueeze(-1).to(o.dtype))
+
+
 def round_retention(score: torch.Tensor) -> torch.Tensor:
     """Retention scores on a grid of 1/64 (see ``AarenMixer.retention_score``). A NaN score (a broken model's) ranks
     as -inf: comparisons with NaN are false, so each ranking (sweep, heap, decode step) would otherwise treat it
@@ -883,7 +900,7 @@ def memory_visibility(cand_pos, cand_score, first_stream, window, num_sinks, mem
     real = cand_pos >= num_sinks
     upto = first_stream + max(0, P + T - window + 1)  # last[-1] + 1: later candidates are seen by no query of this call
     evict = None
-    if memory_evict_cpu is not None:
+    if takes_c(memory_evict_cpu, cand_pos):
         evict = memory_evict_cpu(cand_pos, cand_score, upto, num_sinks, M)
     if evict is None:
         evict = _evict_sweep(cand_pos, cand_score, real, upto, M, *sweep_plan(B, Hkv, M, device, block))
@@ -1109,7 +1126,8 @@ class AarenMixer(nn.Module):
         H, D = self.num_heads, self.head_dim
         q, k, v = self.project(x)
         step = self.steps_one_token(state, T)
-        if not launch_bound(x.device) and (step or (self.window > 0 and not torch.is_grad_enabled())):
+        if takes_c(mixer_step_cpu if step else mixer_prefill_cpu, x) and (
+                step or (self.window > 0 and not torch.is_grad_enabled())):
             # with the aaren_hf package: the rest of this method for a decode token, or for a prompt without
             # gradients in a layer with a window, in one C call (kernels/mixer), the same state and output to float
             # rounding; the code below is its reference
@@ -1124,13 +1142,10 @@ class AarenMixer(nn.Module):
             retention = None
             if self.memory_size > 0:
                 retention = self.share_retention(self.retention_score(x, s), shared)
-            o_win = self.window_branch(q, k, v, pos, state, retention, shared)
-            if not self.aaren_branch:
-                o = o_win
-            else:
-                gate = self.window_gate if hasattr(self, "window_gate") else self.gate_proj(x)
-                # in the branches' dtype (float32 inside), as with the slots' mix above
-                o = torch.lerp(o, o_win.to(o.dtype), torch.sigmoid(gate.float()).unsqueeze(-1).to(o.dtype))
+            mix = None
+            if self.aaren_branch:
+                mix = o, self.window_gate if hasattr(self, "window_gate") else self.gate_proj(x)
+            o = self.window_branch(q, k, v, pos, state, retention, shared, mix)
         return self.o_proj(o.to(x.dtype).reshape(B, T, H * D))
 
     def keys(self, x):
@@ -1168,7 +1183,7 @@ class AarenMixer(nn.Module):
                 return stepped
         per_op_head = launch_bound(v.device)  # the Triton kernels (or, without them, the PyTorch op) per op head
         decoding_on_cpu = not per_op_head and decoding
-        if not per_op_head and not decoding_on_cpu and aaren_prefill_cpu is not None:
+        if not decoding_on_cpu and takes_c(aaren_prefill_cpu, v):
             # with the aaren_hf package, a prompt without gradients on a CPU: the rest of this method in one C call,
             # token after token (kernels/aaren/step.c), the same state and output to float rounding
             got = aaren_prefill_cpu(q, k, v, mask, self.queries, self.scale, self.decay,
@@ -1251,10 +1266,13 @@ class AarenMixer(nn.Module):
             return retention
         return torch.maximum(retention, shared["retention"])  # the config guarantees layer L has a memory
 
-    def window_branch(self, q, k, v, pos, state, retention=None, shared: Optional[dict] = None):
+    def window_branch(self, q, k, v, pos, state, retention=None, shared: Optional[dict] = None, mix=None):
+        """The window branch's output [B, T, H, D] (window, sinks, memory), leaving the next state in ``state``;
+        with ``mix`` (the Aaren branch's output, the gate logits) already mixed with the Aaren branch's
+        (:func:`mix_branches`: a decode step's kernel mixes them in its launch)."""
         B, T, Hkv, D = k.shape
         if self.steps_one_token(state, T):
-            return self.window_step(q, k, v, pos, state, retention, shared)
+            return self.window_step(q, k, v, pos, state, retention, shared, mix)
         rotary = self.rotary(pos, shared)
         stored = self.kv_cache_dtype or k.dtype
         S = self.num_sinks
@@ -1268,7 +1286,7 @@ class AarenMixer(nn.Module):
             sink_k, sink_v = k.new_zeros(B, S, Hkv, D, dtype=stored), v.new_zeros(B, S, Hkv, D, dtype=stored)
             sink_pos = pos.new_full((B, S), -1)
         prefilled = None
-        if window_prefill_cpu is not None:
+        if takes_c(window_prefill_cpu, k):
             # with the aaren_hf package, on a CPU without gradients: the rotation, the rounding, the sinks and the
             # window's next state below in one C call (kernels/window/prefill.c), the same bits; the code below is
             # its reference
@@ -1298,7 +1316,7 @@ class AarenMixer(nn.Module):
             if memory is not None:
                 state.window_score = window["score"]
                 self.keep_memory(state, candidates, stored)
-        return out
+        return mix_branches(out, mix)
 
     def steps_one_token(self, state, T):
         """Whether this call is a decode step: one token, no gradient (inference), and a carried state (the general
@@ -1311,8 +1329,7 @@ class AarenMixer(nn.Module):
     def in_c(self, x, q, k, v, mask, pos, state, shared, step: bool):
         """:meth:`forward` between the projections and ``o_proj`` as one C call: a decode step (``mixer_step_cpu``)
         or a prompt (``mixer_prefill_cpu``); None where the kernel does not apply."""
-        kernel = mixer_step_cpu if step else mixer_prefill_cpu
-        if kernel is None or (not step and q is None):
+        if not step and q is None:
             return None
         B, T = x.shape[:2]
         L, M, S = self.memory_shared_layer, self.memory_size, self.num_sinks
@@ -1344,7 +1361,7 @@ class AarenMixer(nn.Module):
             shared["retention"] = shared_retention
         return out
 
-    def window_step(self, q, k, v, pos, state, retention=None, shared: Optional[dict] = None):
+    def window_step(self, q, k, v, pos, state, retention=None, shared: Optional[dict] = None, mix=None):
         """:meth:`window_branch` for one token once the window is full (decoding), in far fewer ops: one fused
         attention over [window, token, sinks, memory], the window shifted by one, and the entry leaving it offered to
         the memory. Same outputs (to float rounding) and the same state as the general path, which the tests check
@@ -1358,7 +1375,7 @@ class AarenMixer(nn.Module):
             codes = self.memory_codes
             out = fused_window_step(q, k, v, pos, (cos, sin), sink_angles, state, retention, W, S, M,
                                     codes and codes.bits, bool(codes and codes.rotate), self.kv_cache_dtype,
-                                    self.scale)
+                                    self.scale, mix)
             if out is not None:
                 return out
         p = pos[:, 0]
@@ -1414,7 +1431,7 @@ class AarenMixer(nn.Module):
             state.window_score = torch.cat([state.window_score, retention], 1)[:, 1:]
         state.window_k, state.window_v, state.window_pos = win_k[:, 1:], win_v[:, 1:], win_pos[:, 1:]
         state.sink_k, state.sink_v, state.sink_pos = sink_k, sink_v, sink_pos
-        return out.to(q.dtype)
+        return mix_branches(out.to(q.dtype), mix)
 
     def rotary(self, pos, shared: Optional[dict]) -> Rotary:
         """The :class:`Rotary` of this piece's positions for the window branch: one per pass for every layer with the
@@ -1475,7 +1492,7 @@ class AarenMixer(nn.Module):
         prev_score = retention.new_zeros(B, 0, Hkv)
         if state is not None and state.window_score is not None:
             prev_score = state.window_score
-        if memory_prefill_cpu is not None and self.memory_codes is not None:
+        if takes_c(memory_prefill_cpu, k) and self.memory_codes is not None:
             # with the aaren_hf package, on a CPU without gradients: this method and the state keep_memory leaves in
             # one C call (kernels/memory/prefill.c), the same bits; the code below is its reference
             got = memory_prefill_cpu(k, v, pos, retention, k_prev, v_prev, pos_prev, prev_score, state, self.window,

@@ -774,8 +774,6 @@ def _kept_memories(case, dtype, device, kernel, monkeypatch):
     ran = []
     with monkeypatch.context() as m, torch.no_grad():
         m.setattr(modeling, "launch_bound", lambda device: True)
-        for name in ("memory_prefill_cpu", "window_prefill_cpu"):  # C kernels, which a GPU's tensors skip
-            m.setattr(modeling, name, None)
         m.setattr(modeling, "fused_keep_memory",
                   (lambda *a: ran.append(1) or K.fused_keep_memory(*a)) if kernel else None)
         cache, out = modeling.AarenCache(model.config), []
@@ -930,7 +928,7 @@ aot(fused_recurrent._aaren_fused_recurrent_fwd_kernel, dict(common, o=B),
     dict(H=8, GV=2, D=100, BD=128, HAS_G=True, HAS_H0=True, IS_VARLEN=True))
 for decay, J in ((2, 4), (0, 1)):
     aot(fused_recurrent._aaren_step_kernel, dict(q=B, k=B, v=B, queries=B, log_decay=B, decay_in=B, mask="*i1",
-                                                 o_state=P, lse_state=P, out=P, s_out=P, scale="fp32"),
+                                                 o_state=P, lse_state=P, out=B, s_out=P, scale="fp32"),
         dict(H=9, HKV=3, J=J, BJ=max(2, J), D=64, BD=64, DECAY=decay, MIX=J > 1), num_warps=4, num_stages=1)
 I = "*i64"
 common = dict(q=B, qpos=I, ks=B, vs=B, spos=I, mk=B, mv=B, evict=I, last=I, idx=I, counts=I, sink_s=B, sink_v=B,
@@ -939,13 +937,13 @@ c = dict(H=9, HKV=3, S=1, D=64, BD=64, BQ=64, BK=64, HAS_MEM=True, DOT_PREC="tf3
 aot(window_chunk._window_fwd_kernel, dict(common, o=B), c)
 aot(window_chunk._window_bwd_kernel, dict(common, do=B, delta=P, dq=P, dks=P, dvs=P, dmk=P, dmv=P, dsink_s=P,
                                           dsink_v=P), c)
-sig = dict(q=B, k=B, v=B, pos=I, cos_t=P, sin_t=P, cos_s=P, sin_s=P, retention=P, out=P, win_k=B, win_v=B, win_pos=I,
-           win_score=P, sink_k=B, sink_v=B, sink_pos=I, mem_k="*u8", mem_v="*u8", mem_k_scale=B, mem_v_scale=B,
-           mem_pos=I, mem_score=P, scale="fp32")
+sig = dict(q=B, k=B, v=B, pos=I, cos_t=P, sin_t=P, cos_s=P, sin_s=P, retention=P, out=B, aaren_o=B, gate=B,
+           gate_b="i32", win_k=B, win_v=B, win_pos=I, win_score=P, sink_k=B, sink_v=B, sink_pos=I, mem_k="*u8",
+           mem_v="*u8", mem_k_scale=B, mem_v_scale=B, mem_pos=I, mem_score=P, scale="fp32")
 c = dict(H=9, HKV=3, G=3, BG=4, D=64, BD=64, LOG_BD=6, ROT=64, W=64, BW=64, S=1, M=448, BM=64, MP=512, BITS=4,
-         ROTATE=True, SATURATE=False)
+         ROTATE=True, SATURATE=False, MIX=True)
 for consts, mem in ((c, "*u8"), (dict(c, D=128, BD=128, LOG_BD=7, G=4, H=12, BITS=8, ROTATE=False), "*i8"),
-                    (dict(c, D=96, BD=128, LOG_BD=7, ROT=48, M=16, BM=16, MP=16, BITS=0, ROTATE=False), B)):
+                    (dict(c, D=96, BD=128, LOG_BD=7, ROT=48, M=16, BM=16, MP=16, BITS=0, ROTATE=False, MIX=False), B)):
     aot(window_step._window_step_kernel, dict(sig, mem_k=mem, mem_v=mem), consts, num_warps=4, num_stages=1,
         enable_fp_fusion=False)
 for bits, codes in ((4, "*u8"), (8, "*i8")):
@@ -1229,7 +1227,8 @@ def test_c_window_kernel_same_bits_on_any_number_of_threads():
                                        ((1, 300, 3, 128), 64)])
 def test_c_rotary_is_the_references_bit_for_bit(shape, rot, monkeypatch):
     """rotate_by on a CPU (kernels/window/rotate.c) against its PyTorch code: full and partial rotary, one token and
-    many, large angles, values of every scale; the gradient through rotate() the same bit for bit too."""
+    many, large angles, values of every scale, turned back (``inverse``: by -sin); the gradient through rotate() the
+    same bit for bit too."""
     import aaren_hf.modeling_aaren as modeling
     from aaren_hf.kernels.window import rotate_cpu
 
@@ -1238,7 +1237,7 @@ def test_c_rotary_is_the_references_bit_for_bit(shape, rot, monkeypatch):
     pos = torch.randint(0, 1 << 20, shape[:2], generator=gen)
     inv_freq = 1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot))
     cos, sin = modeling.rotary_angles(pos, inv_freq)
-    got = rotate_cpu(x, cos, sin)
+    got, back = rotate_cpu(x, cos, sin), rotate_cpu(x, cos, sin, True)
     if got is None:
         pytest.skip("no C compiler")
     wide = (cos.expand(*shape[:2], 2, rot), sin.expand(*shape[:2], 2, rot))  # not the shape it takes
@@ -1248,10 +1247,10 @@ def test_c_rotary_is_the_references_bit_for_bit(shape, rot, monkeypatch):
     grad = torch.randn(shape, generator=gen)
     with_c = (modeling.rotate(x, pos, inv_freq), torch.autograd.grad(modeling.rotate(xg, pos, inv_freq), xg, grad)[0])
     monkeypatch.setattr(modeling, "rotate_cpu", None)
-    want = modeling.rotate_by(x, cos, sin)
+    want, want_back = modeling.rotate_by(x, cos, sin), modeling.rotate_by(x, cos, -sin)
     reference = (modeling.rotate(x, pos, inv_freq),
                  torch.autograd.grad(modeling.rotate(xg, pos, inv_freq), xg, grad)[0])
-    assert torch.equal(got, want)
+    assert torch.equal(got, want) and torch.equal(back, want_back)
     assert torch.equal(with_c[0], reference[0]) and torch.equal(with_c[1], reference[1])
 
 

@@ -1,7 +1,8 @@
 """The window branch's decode step in Triton (kernels/window/fused_recurrent.py, run here in Triton's interpreter as a
 GPU runs it) against its reference, the PyTorch ``AarenMixer.window_step``: the same output to float rounding and,
 after every step, the same state bit for bit (window, sinks, the memory's choices, codes and scales), the Aaren
-state too (both sides run the same Aaren kernels)."""
+state too (both sides run the same Aaren kernels). The outputs compared are the layer's, after the kernel mixed in
+the Aaren branch's."""
 
 import pytest
 import torch
@@ -13,10 +14,11 @@ pytest.importorskip("triton")
 if modeling.fused_window_step is None:
     pytest.skip("aaren_hf.kernels is not importable", allow_module_level=True)
 
-# one case per feature the kernel branches on (the interpreter is slow): sinks, partial rotary, query groups, a
+# one case per feature the kernel branches on (the interpreter is slow): sinks with the gate from the input (the
+# Aaren branch mixed in with per-token gates; the other cases' gates are per head), partial rotary, query groups, a
 # plain memory in float32 and in 16 bits, 8-bit and 4-bit codes, Hadamard codes, a float16 cache, per-layer windows
 # and rotary bases
-CASES = ["window_sinks", "partial_rotary", "gqa_slots_window", "memory_learned", "memory_kv_bf16", "memory_int8",
+CASES = ["window_sinks_gate_input", "partial_rotary", "gqa_slots_window", "memory_learned", "memory_kv_bf16", "memory_int8",
          "memory_int4_gqa", "memory_int4_hadamard", "gemma_block", "default_like_d64", "fp16_cache"]
 EXTRA = dict(STEP_CASES, fp16_cache=dict(window_size=4, num_sink_tokens=1, memory_size=3, kv_cache_dtype="float16"))
 

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..memory.codes import _cast
 from ..state import writable
 from .chunk import _ADD, _MAX, _block_d, chunk_bwd, chunk_fwd, check_inputs, device_function, get_kernel, prepare
 
@@ -159,7 +160,9 @@ def _aaren_step_kernel(
         p = p / tl.reduce(p, 0, _ADD)
     else:
         p = tl.where(m_j, 1.0, 0.0)
-    tl.store(out + (i_b * H + i_h) * D + cols, tl.reduce(p[:, None] * o, 0, _ADD), mask=m_d)
+    # in the output's dtype as .to() rounds it: no launch to cast it
+    tl.store(out + (i_b * H + i_h) * D + cols, _cast(tl.reduce(p[:, None] * o, 0, _ADD), out.dtype.element_ty),
+             mask=m_d)
 
 
 def aaren_step_triton(q, k, v, mask, state, queries, log_decay, decay_in, scale):
@@ -175,7 +178,7 @@ def aaren_step_triton(q, k, v, mask, state, queries, log_decay, decay_in, scale)
         return None
     inference = torch.is_inference_mode_enabled()
     o_state, lse_state = writable(state, "aaren_o", inference), writable(state, "aaren_lse", inference)
-    out = torch.empty(B, 1, H, D, device=v.device, dtype=torch.float32)
+    out = torch.empty(B, 1, H, D, device=v.device, dtype=v.dtype)
     s = torch.empty(B, 1, H * J, device=v.device, dtype=torch.float32)
     decay = 0 if log_decay is None else 1 if decay_in is None else 2
     get_kernel(_aaren_step_kernel, key=("D", "J"), warps=(4,), stages=(1,))[(B, H)](
@@ -184,4 +187,4 @@ def aaren_step_triton(q, k, v, mask, state, queries, log_decay, decay_in, scale)
         mask.reshape(B).contiguous(), o_state, lse_state, out, s, float(scale),
         H=H, HKV=Hkv, J=J, BJ=max(2, triton.next_power_of_2(J)), D=D, BD=_block_d(D), DECAY=decay, MIX=J > 1,
     )
-    return out.to(v.dtype), s
+    return out, s

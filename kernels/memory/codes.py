@@ -27,6 +27,15 @@ def _bfloat16_grid(x):
 
 
 @device_function
+def _cast(x, DTYPE: tl.constexpr):
+    """Float32 x in DTYPE, rounded to nearest even as torch's .to() rounds (for bfloat16 by integer arithmetic
+    first: Triton's interpreter truncates where a GPU rounds)."""
+    if DTYPE == tl.bfloat16:
+        x = _bfloat16_grid(x)
+    return x.to(DTYPE)
+
+
+@device_function
 def _butterflies(y, R: tl.constexpr, D: tl.constexpr, LOG_D: tl.constexpr):
     """y [R, D] times the +-1 Sylvester-Hadamard matrix, by the butterflies of ``hadamard`` in their order (D =
     2^LOG_D): pairs (i, i + h) within blocks of 2h, h from D / 2 down to 1."""

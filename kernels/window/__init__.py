@@ -28,7 +28,7 @@ _ARGS = [ctypes.c_int] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_int, ctypes.c_int6
 SIGNATURES = {"aaren_window_attention_takes": (ctypes.c_int, [ctypes.c_int] * 3),
               "aaren_window_attention": (ctypes.c_int, _ARGS + [ctypes.c_void_p]),
               "aaren_window_attention_backward": (ctypes.c_int, _ARGS + [ctypes.c_void_p] * 8),
-              "aaren_rotate": (ctypes.c_int, [ctypes.c_int64] + [ctypes.c_int] * 3 + [ctypes.c_void_p] * 4),
+              "aaren_rotate": (ctypes.c_int, [ctypes.c_int64] + [ctypes.c_int] * 4 + [ctypes.c_void_p] * 4),
               "aaren_window_prefill": (ctypes.c_int, [ctypes.c_int] * 10 + [ctypes.c_void_p] * 19),
               "aaren_window_queries": (ctypes.c_int, [ctypes.c_int] * 8 + [ctypes.c_void_p] * 11)}
 
@@ -37,10 +37,11 @@ def _library():
     return load("window", SOURCES, SIGNATURES, "the PyTorch window attention")
 
 
-def rotate_cpu(x, cos, sin):
-    """``rotate_by(x, cos, sin)`` (modeling_aaren.py) in one pass, the same bits: float32 x [B, T, h, D] on a CPU,
-    cos and sin [B, T, 1, rot] float32 as ``rotary_angles`` gives them. None where it does not apply (other dtypes
-    or shapes, not on a CPU: the meta device too, no compiler); no gradient (the caller's autograd Function, or no_grad, provides that)."""
+def rotate_cpu(x, cos, sin, inverse: bool = False):
+    """``rotate_by(x, cos, sin, inverse)`` (modeling_aaren.py) in one pass, the same bits: float32 x [B, T, h, D] on
+    a CPU, cos and sin [B, T, 1, rot] float32 as ``rotary_angles`` gives them. None where it does not apply (other
+    dtypes or shapes, not on a CPU: the meta device too, no compiler); no gradient (the caller's autograd Function,
+    or no_grad, provides that)."""
     if (any(t.device.type != "cpu" for t in (x, cos, sin)) or x.dim() != 4 or torch.float32 != x.dtype
             or torch.float32 != cos.dtype or sin.dtype != cos.dtype or cos.shape != sin.shape
             or cos.shape != (*x.shape[:2], 1, cos.shape[-1])):
@@ -51,7 +52,8 @@ def rotate_cpu(x, cos, sin):
     B, T, h, D = x.shape
     ins = [dense(t) for t in (x, cos, sin)]  # held until the call returns (a copy made in the call would be freed)
     out = torch.empty(x.shape)
-    if lib.aaren_rotate(B * T, h, D, cos.shape[-1], *(t.data_ptr() for t in ins), out.data_ptr()) != 0:
+    if lib.aaren_rotate(B * T, h, D, cos.shape[-1], int(inverse), *(t.data_ptr() for t in ins),
+                        out.data_ptr()) != 0:
         return None
     return out
 

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ..aaren.chunk import _MAX, get_kernel
-from .fused_recurrent import _cast
+from ..memory.codes import _cast
 
 
 def _sinks_fwd_kernel(k, v, pos, old_k, old_v, old_pos, new_k, new_v, new_pos, at, T,

@@ -154,7 +154,7 @@ int aaren_window_queries(int B, int T, int H, int Hkv, int D, int S, int W, int 
                          const int64_t *sink_pos, const float *back_cos, const float *back_sin, float *qr,
                          float *scores, uint8_t *seen) {
     if (D % 8 || H % Hkv || D > 512) return 1;
-    if (aaren_rotate((int64_t)B * T, H, D, rot, q, cos, sin, qr)) return 1;
+    if (aaren_rotate((int64_t)B * T, H, D, rot, 0, q, cos, sin, qr)) return 1;
     const int G = H / Hkv;
     float turned[512];
     for (int b = 0; b < B; b++)
@@ -165,7 +165,7 @@ int aaren_window_queries(int B, int T, int H, int Hkv, int D, int S, int W, int 
                 const int64_t sp = sink_pos[(int64_t)b * S + s];
                 seen[bt * S + s] = sp >= 0 && p >= 0 && sp <= p - W;
                 for (int hk = 0; hk < Hkv; hk++) {
-                    aaren_rotate(1, 1, D, rot, sink_k + (((int64_t)b * S + s) * Hkv + hk) * D, back_cos + c * rot,
+                    aaren_rotate(1, 1, D, rot, 0, sink_k + (((int64_t)b * S + s) * Hkv + hk) * D, back_cos + c * rot,
                                  back_sin + c * rot, turned);
                     for (int h = hk * G; h < (hk + 1) * G; h++) {
                         const float *qh = q + (bt * H + h) * D;

@@ -12,7 +12,10 @@ more than the arithmetic. The algorithm is ``step.c``'s (the CPU's step); per se
   3. the oldest window entry offered to the memory: it takes the weakest slot (lowest score, then oldest) if it
      ranks (offer_to_memory's rule), coded as ``MemoryCodes.encode`` codes it (the same butterflies, the bfloat16
      scale by integer arithmetic, round-half-even codes: the same bytes);
-  4. the window shifted by one, in place.
+  4. the window shifted by one, in place;
+  5. in a layer with an Aaren branch, the output mixed with that branch's (``mix_branches``: the gate's sigmoid and
+     torch.lerp's two formulas in the output's dtype), so the layer's step launches nothing between the two kernels
+     and o_proj.
 
 The state is written in place (same addresses every step, as a CUDA graph needs). One program per sequence, because
 positions are per sequence and every kv head moves them; a padding token (position -1) gets output 0 and still
@@ -26,18 +29,9 @@ import triton
 import triton.language as tl
 
 from ..aaren.chunk import _ADD, _MIN, device_function, get_kernel
-from ..memory.codes import _bfloat16_grid, _butterflies, _codes, _store_codes
+from ..memory.codes import _butterflies, _cast, _codes, _store_codes
 from ..state import writable
 from .chunk import _softmax_step
-
-
-@device_function
-def _cast(x, DTYPE: tl.constexpr):
-    """Float32 x in DTYPE, rounded to nearest even as torch's .to() rounds (for bfloat16 by integer arithmetic
-    first: Triton's interpreter truncates where a GPU rounds)."""
-    if DTYPE == tl.bfloat16:
-        x = _bfloat16_grid(x)
-    return x.to(DTYPE)
 
 
 @device_function
@@ -70,13 +64,14 @@ def _read_entries(mem, mem_scale, e, cols, m_e, D: tl.constexpr, BITS: tl.conste
 
 
 def _window_step_kernel(
-    q, k, v, pos, cos_t, sin_t, cos_s, sin_s, retention, out,
+    q, k, v, pos, cos_t, sin_t, cos_s, sin_s, retention, out, aaren_o, gate, gate_b,
     win_k, win_v, win_pos, win_score, sink_k, sink_v, sink_pos,
     mem_k, mem_v, mem_k_scale, mem_v_scale, mem_pos, mem_score,
     scale,
     H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
     LOG_BD: tl.constexpr, ROT: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, S: tl.constexpr, M: tl.constexpr,
     BM: tl.constexpr, MP: tl.constexpr, BITS: tl.constexpr, ROTATE: tl.constexpr, SATURATE: tl.constexpr,
+    MIX: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     WP: tl.constexpr = W - 1  # window entries held
@@ -157,7 +152,15 @@ def _window_step_kernel(
             if ROTATE:
                 acc_m = _butterflies(acc_m, BG, BD, LOG_BD)
         o = tl.where(p + 0 * g >= 0, (acc + acc_m) / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)  # padding sees nothing
-        tl.store(out + (b * H + hk * G + g) * D + cols, o, mask=m_g & m_d)
+        o = _cast(o, out.dtype.element_ty)  # as the reference returns it
+        at_o = (b * H + hk * G + g) * D + cols
+        if MIX:  # mix_branches: lerp(Aaren's, the window's, sigmoid(gate)) in the output's dtype, torch.lerp's formulas
+            a = tl.load(aaren_o + at_o, mask=m_g & m_d, other=0).to(tl.float32)
+            z = tl.load(gate + b * gate_b + hk * G + g, mask=m_g, other=0).to(tl.float32)
+            w = _cast(1.0 / (1.0 + tl.exp(-z)), out.dtype.element_ty).to(tl.float32)
+            e = o.to(tl.float32)
+            o = _cast(tl.where(w < 0.5, a + w * (e - a), e - (e - a) * (1.0 - w)), out.dtype.element_ty)
+        tl.store(out + at_o, o, mask=m_g & m_d)
 
         # 3. the oldest window entry offered to the memory: the weakest slot (lowest score, then oldest, then first)
         # takes it if it ranks and is a real token past the sinks
@@ -208,17 +211,20 @@ def _window_step_kernel(
 
 
 def window_step_triton(q, k, v, pos, angles, sink_turn, state, retention, window, sinks, memory_size, bits, rotate,
-                       kv_cache_dtype, scale):
+                       kv_cache_dtype, scale, mix=None):
     """``AarenMixer.window_step`` in one launch: q [B, 1, H, D], k and v [B, 1, Hkv, D] before rotary, pos [B, 1];
     ``angles`` and ``sink_turn`` from ``step_angles``; ``retention`` [B, 1, Hkv] float32 where there is a memory.
-    Returns the output [B, 1, H, D] in q's dtype and leaves the new state in ``state`` (written in place); None,
-    touching nothing, where the kernel does not take the inputs (a head size that is not a power of 2 with memory
-    codes, a window held in another dtype than the step stores, a query group over 64 heads)."""
+    Returns the output [B, 1, H, D] in q's dtype, with ``mix`` (the Aaren branch's output in q's dtype, the gate
+    logits [H] or [B, 1, H]) mixed with it as ``mix_branches`` mixes them, and leaves the new state in ``state``
+    (written in place); None, touching nothing, where the kernel does not take the inputs (a head size that is not a
+    power of 2 with memory codes, a window held in another dtype than the step stores, a query group over 64 heads,
+    an Aaren output in another dtype than q's)."""
     B, _, H, D = q.shape
     Hkv, W, S, M = k.shape[2], window, sinks, memory_size
     stored = kv_cache_dtype or k.dtype
     if (state.window_k.dtype != stored or H % Hkv or H // Hkv > 64 or W < 2
-            or (bits and (D & (D - 1) or D < 4)) or (M > 0 and not bits and state.memory_k.dtype != stored)):
+            or (bits and (D & (D - 1) or D < 4)) or (M > 0 and not bits and state.memory_k.dtype != stored)
+            or (mix is not None and mix[0].dtype != q.dtype)):
         return None
     inference = torch.is_inference_mode_enabled()
     names = ["window_k", "window_v", "window_pos", "sink_k", "sink_v", "sink_pos"]
@@ -228,17 +234,19 @@ def window_step_triton(q, k, v, pos, angles, sink_turn, state, retention, window
     t = {name: writable(state, name, inference) for name in names}
     cos_t, sin_t = (a.reshape(B, -1).float().contiguous() for a in angles)
     cos_s, sin_s = (cos_t, sin_t) if sink_turn is None else (a.reshape(B, -1).float().contiguous() for a in sink_turn)
-    out = torch.empty(B, 1, H, D, device=q.device, dtype=torch.float32)
+    out = torch.empty(B, 1, H, D, device=q.device, dtype=q.dtype)
     dummy = out  # for the pointers a configuration does not read
+    aaren_o, gate = (dummy, dummy) if mix is None else (mix[0].contiguous(), mix[1].contiguous())
     G, BD = H // Hkv, triton.next_power_of_2(D)
     get_kernel(_window_step_kernel, key=("D", "M", "BITS"), warps=(4,), stages=(1,))[(B,)](
         q.contiguous(), k.contiguous(), v.contiguous(), pos.reshape(B).contiguous(), cos_t, sin_t, cos_s, sin_s,
-        dummy if retention is None else retention.float().contiguous(), out,
+        dummy if retention is None else retention.float().contiguous(), out, aaren_o, gate,
+        H if gate.dim() == 3 else 0,
         t["window_k"], t["window_v"], t["window_pos"], t.get("window_score", dummy), t["sink_k"], t["sink_v"],
         t["sink_pos"], t.get("memory_k", dummy), t.get("memory_v", dummy), t.get("memory_k_scale", dummy),
         t.get("memory_v_scale", dummy), t.get("memory_pos", dummy), t.get("memory_score", dummy), float(scale),
         H=H, HKV=Hkv, G=G, BG=triton.next_power_of_2(G), D=D, BD=BD, LOG_BD=BD.bit_length() - 1, ROT=cos_t.shape[-1],
         W=W, BW=triton.next_power_of_2(W), S=S, M=M, BM=min(64, triton.next_power_of_2(max(M, 1))),
         MP=triton.next_power_of_2(max(M, 1)), BITS=bits or 0, ROTATE=bool(rotate and bits),
-        SATURATE=stored == torch.float16 and k.dtype != torch.float16, enable_fp_fusion=False)
-    return out.to(q.dtype)
+        SATURATE=stored == torch.float16 and k.dtype != torch.float16, MIX=mix is not None, enable_fp_fusion=False)
+    return out

@@ -31,7 +31,7 @@ int aaren_window_prefill(int B, int T, int Hkv, int D, int Wp, int W, int S, int
                          int64_t *new_pos, float *new_score) {
     if (D < 1 || D > MAX_D) return 1;
     const int64_t HD = (int64_t)Hkv * D;
-    if (aaren_rotate((int64_t)B * T, Hkv, D, rot, k, cos, sin, kr)) return 1;
+    if (aaren_rotate((int64_t)B * T, Hkv, D, rot, 0, k, cos, sin, kr)) return 1;
     if (bf16) {
         for (int64_t i = 0; i < (int64_t)B * T * HD; i++) {
             kr[i] = bf16_to_float(float_to_bf16(kr[i]));

@@ -15,7 +15,8 @@ import triton
 import triton.language as tl
 
 from ..aaren.chunk import get_kernel
-from .fused_recurrent import _cast, _rotated
+from ..memory.codes import _cast
+from .fused_recurrent import _rotated
 
 
 def _rotate_kernel(x, cos, sin, out, NH, T, stride_b, stride_t, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,

@@ -9,7 +9,8 @@
 
 #include <stdint.h>
 
-int aaren_rotate(int64_t n, int H, int D, int rot, const float *x, const float *cos, const float *sin, float *out);
+int aaren_rotate(int64_t n, int H, int D, int rot, int inverse, const float *x, const float *cos, const float *sin,
+                 float *out);
 
 int aaren_window_prefill(int B, int T, int Hkv, int D, int Wp, int W, int S, int bf16, int keep, int rot,
                          const float *k, const float *cos, const float *sin, const float *v, const int64_t *pos,
