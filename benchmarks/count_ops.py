@@ -6,18 +6,20 @@ launch-bound, pays in kernel launches. Counts every PyTorch operator that runs e
 as a CPU runs it and once as a GPU does (``modeling_aaren.launch_bound`` answering yes: one prefill piece, the GPU's
 sweep passes, and, when triton is installed, the scan per op head and window attention by their Triton kernels, in
 Triton's interpreter, each launch counted as one operator; without triton, the chunked PyTorch scan and window path).
-Then one decode step after a --decode-prompt-token prompt, as a GPU runs it (the scan's step and, with --window
-kernel, the window branch's step by their Triton kernels, each launch one operator), against the teacher's (Llama,
-sdpa, its KV cache): at batch 1 a GPU pays such a step in launches. Then one train step (forward and backward in
+Then one decode step after a --decode-prompt-token prompt, in bf16 as a GPU runs it (the scan's step and, with
+--window kernel, the window branch's step by their Triton kernels, each launch one operator), against the teacher's
+(Llama, sdpa, its KV cache): at batch 1 a GPU pays such a step in launches. Then one train step (forward and backward in
 bf16) as a GPU runs it, against the teacher's. Beside the operators, the bytes of the tensors each reads and writes
 (a Triton launch: its tensor arguments), what a GPU's memory moves where the tensors are large. Deterministic: no
 timing.
 
     python -P benchmarks/count_ops.py                       # 32K tokens, as a CPU and as a GPU runs them
     python -P benchmarks/count_ops.py --tokens 4096 --layers 1 --window pytorch   # window attention as before aa87c5d
+    python -P benchmarks/count_ops.py --tokens 4096 --layers 1 --top 30           # which operators, how many
 """
 
 import argparse
+import collections
 import contextlib
 import importlib
 import os
@@ -53,13 +55,23 @@ class CountOps(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.n = self.bytes = 0
+        self.names = collections.Counter()  # operators by name (a Triton launch by its kernel's)
+
+    def add(self, name: str, moved: int):
+        self.n += 1
+        self.bytes += moved
+        self.names[name] += 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func.overloadpacket.__name__ not in VIEWS:
-            self.n += 1
-            self.bytes += tensor_bytes((args, kwargs, out))
+            self.add(func.overloadpacket.__name__, tensor_bytes((args, kwargs, out)))
         return out
+
+    def top(self, label: str, most: int, layers: int):
+        if most:
+            print(f"  {label}, operators per layer by name: " + ", ".join(
+                f"{name} {n / layers:g}" for name, n in self.names.most_common(most)))
 
 
 COUNTER = [None]  # the CountOps in use, for the Triton kernels' launches
@@ -84,8 +96,7 @@ def triton_kernels_as_a_gpu_runs_them(window_kernel: bool):
 
         def launch(grid):
             def run(*args, **kw):
-                COUNTER[0].n += 1
-                COUNTER[0].bytes += tensor_bytes((args, kw))  # inputs and outputs alike are arguments
+                COUNTER[0].add(fn.__name__, tensor_bytes((args, kw)))  # inputs and outputs alike are arguments
                 with _disable_current_modes():
                     return kernel[grid](*args, **kw)
             return run
@@ -108,7 +119,12 @@ def main(argv=None):
     p.add_argument("--window", default="kernel", choices=["kernel", "pytorch"],
                    help="the window branch as a GPU runs it: its Triton kernels (when triton is installed; attention "
                    "and the decode step) or the PyTorch paths (window attention gathering each block's keys)")
+    p.add_argument("--top", type=int, default=0, help="also list each count's most frequent operators, this many "
+                   "(a Triton launch by its kernel's name)")
     args = p.parse_args(argv)
+    if args.tokens <= args.decode_prompt:
+        p.error(f"--tokens {args.tokens} leaves no token to decode after --decode-prompt {args.decode_prompt}: give "
+                "more tokens, or a shorter --decode-prompt")
     triton = modeling.fused_window_attention is not None and triton_available()
     kernel = triton and args.window == "kernel"
     teacher, student = bench_model.random_teacher_and_student(args.layers)
@@ -135,8 +151,10 @@ def main(argv=None):
                     ", window attention by " + ("its Triton kernel" if kernel else "the PyTorch path")
             print(f"{label} ({piece}-token pieces): {per_layer:,.0f} operators per layer for {args.tokens:,} tokens "
                   f"({moved['prefill'][-1]:,.0f} MB read and written); logits differ from the first by {diff:.1e}")
+            counter.top("prefill", args.top, args.layers)
         decode = {}
         prompt, token = ids[:, :args.decode_prompt], ids[:, args.decode_prompt:args.decode_prompt + 1]
+        teacher, student = teacher.to(torch.bfloat16), student.to(torch.bfloat16)  # as a GPU serves them
         for name, model in (("teacher", teacher), ("student", student)):
             with mock.patch.object(modeling, "launch_bound", lambda device: True), torch.no_grad(), \
                     contextlib.ExitStack() as patches:
@@ -149,11 +167,12 @@ def main(argv=None):
                 with counter:
                     model(token, past_key_values=cache, use_cache=True, **extra)
             decode[name] = counter.n / args.layers
+            counter.top(f"decode step, {name}", args.top, args.layers)
         print(f"a decode step as a GPU runs it, after {prompt.shape[1]:,} tokens: {decode['student']:,.0f} operators "
               f"per layer, the teacher's {decode['teacher']:,.0f} ({decode['student'] / decode['teacher']:.1f}x)")
         train = {}
         for name, model in (("teacher", teacher), ("student", student)) if args.train_tokens else ():
-            model = model.to(torch.bfloat16).train()  # last: the models are not used after this
+            model = model.train()  # last: the models are not used after this
             tokens = torch.randint(3, teacher.config.vocab_size, (1, args.train_tokens))
             with mock.patch.object(modeling, "launch_bound", lambda device: True), contextlib.ExitStack() as patches:
                 if triton and name == "student":
@@ -163,6 +182,7 @@ def main(argv=None):
                 with counter:
                     model(tokens, use_cache=False).logits.float().square().mean().backward()
             train[name] = counter.n / args.layers
+            counter.top(f"train step, {name}", args.top, args.layers)
             moved["train"][name] = counter.bytes / args.layers / 2**20
         if train:
             mb = moved["train"]
