@@ -642,11 +642,11 @@ def _sink_scores(q, qpos, sink_k, window, rotary, attend):
 
 
 def _attention_dtype(q: torch.Tensor) -> torch.dtype:
-    """What window attention computes in. CUDA's fused kernels take 16-bit queries, keys, values and mask and
-    accumulate in float32: in a 16-bit model that halves the largest tensors of a prefill (the keys and values each
-    block gathers, about ten times the window's; kept for backward when training) and runs on tensor cores. A CPU
-    keeps float32."""
-    return q.dtype if q.is_cuda and q.element_size() == 2 else torch.float32
+    """What window attention computes in. On a GPU its kernels (the Triton kernel; SDPA's fused ones) take 16-bit
+    queries, keys, values and mask and accumulate in float32: in a 16-bit model that halves the largest tensors of a
+    prefill (the keys and values each block gathers, about ten times the window's; kept for backward when training)
+    and runs on tensor cores. A CPU keeps float32."""
+    return q.dtype if launch_bound(q.device) and q.element_size() == 2 else torch.float32
 
 
 def _attention(q, k, v, bias, scale):

@@ -69,7 +69,8 @@ def main(argv=None):
     dtype = getattr(torch, args.dtype)
     teacher, student = bench_model.random_teacher_and_student(args.layers)
     ids = torch.randint(3, teacher.config.vocab_size, (args.batch, args.tokens))
-    attend = (lambda q: q.dtype) if args.attention_dtype == "model" else (lambda q: torch.float32)
+    # as a GPU runs it (launch_bound below), window attention takes the model's 16-bit dtype
+    attend = modeling._attention_dtype if args.attention_dtype == "model" else (lambda q: torch.float32)
     # the scan's Triton kernels (interpreted) save what they save on a GPU
     with mock.patch.object(modeling, "launch_bound", lambda device: True), \
             mock.patch.object(modeling, "_attention_dtype", attend), mock.patch.dict(os.environ, TRITON_INTERPRET="1"), \
