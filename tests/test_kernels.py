@@ -935,7 +935,7 @@ common = dict(q=B, qpos=I, ks=B, vs=B, spos=I, mk=B, mv=B, evict=I, last=I, idx=
               sink_seen="*u8", lse=P, T="i32", Ls="i32", P0="i32", W="i32", C="i32", K="i32", NB="i32", scale="fp32")
 c = dict(H=9, HKV=3, S=1, D=64, BD=64, BQ=64, BK=64, HAS_MEM=True, DOT_PREC="tf32")
 aot(window_chunk._window_fwd_kernel, dict(common, o=B), c)
-aot(window_chunk._window_bwd_kernel, dict(common, do=B, delta=P, dq=P, dks=P, dvs=P, dmk=P, dmv=P, dsink_s=P,
+aot(window_chunk._window_bwd_kernel, dict(common, do=B, o=B, dq=B, dks=P, dvs=P, dmk=P, dmv=P, dsink_s=B,
                                           dsink_v=P), c)
 sig = dict(q=B, k=B, v=B, pos=I, cos_t=P, sin_t=P, cos_s=P, sin_s=P, retention=P, out=B, aaren_o=B, gate=B,
            gate_b="i32", win_k=B, win_v=B, win_pos=I, win_score=P, sink_k=B, sink_v=B, sink_pos=I, mem_k="*u8",

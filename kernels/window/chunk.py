@@ -28,6 +28,7 @@ import triton.language as tl
 
 from .. import WINDOW_BLOCK as BQ  # queries per program; the memory's candidate lists are per block of BQ queries
 from ..aaren.chunk import _ADD, _MAX, _dot_precision, device_function, get_kernel
+from ..memory.codes import _cast
 BK = 64  # keys per tile
 
 
@@ -134,7 +135,7 @@ def _window_fwd_kernel(
 
 
 def _window_bwd_kernel(
-    q, qpos, ks, vs, spos, mk, mv, evict, last, idx, counts, sink_s, sink_v, sink_seen, lse, do, delta,
+    q, qpos, ks, vs, spos, mk, mv, evict, last, idx, counts, sink_s, sink_v, sink_seen, lse, do, o,
     dq, dks, dvs, dmk, dmv, dsink_s, dsink_v,
     T, Ls, P0, W, C, K, NB, scale,
     H: tl.constexpr, HKV: tl.constexpr, S: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BQ: tl.constexpr,
@@ -144,7 +145,9 @@ def _window_bwd_kernel(
     m_qd = m_q[:, None] & m_d[None, :]
     b_do = tl.load(do + row_off[:, None] * D + cols[None, :], mask=m_qd, other=0).to(tl.float32)
     b_lse = tl.load(lse + row_off, mask=m_q, other=0)
-    b_delta = tl.load(delta + row_off, mask=m_q, other=0)
+    # rowsum(o * do), the softmax's backward term: this program's rows are whole, so no pass before it
+    b_o = tl.load(o + row_off[:, None] * D + cols[None, :], mask=m_qd, other=0).to(tl.float32)
+    b_delta = tl.reduce(b_o * b_do, 1, _ADD)
     b_dq = tl.full([BQ, BD], 0.0, tl.float32)
 
     me = P0 + rows
@@ -193,10 +196,10 @@ def _window_bwd_kernel(
         sv = tl.load(sink_v + sv_at, mask=m_d, other=0).to(tl.float32)
         p = tl.where(seen, tl.exp(sc - b_lse), 0.0)
         dp = tl.reduce(b_do * sv[None, :], 1, _ADD)
-        tl.store(dsink_s + row_off * S + j, p * (dp - b_delta) * scale, mask=m_q)
+        tl.store(dsink_s + row_off * S + j, _cast(p * (dp - b_delta) * scale, dsink_s.dtype.element_ty), mask=m_q)
         tl.atomic_add(dsink_v + sv_at, tl.reduce(p[:, None] * b_do, 0, _ADD), mask=m_d)
 
-    tl.store(dq + row_off[:, None] * D + cols[None, :], b_dq, mask=m_qd)
+    tl.store(dq + row_off[:, None] * D + cols[None, :], _cast(b_dq, dq.dtype.element_ty), mask=m_qd)
 
 
 class WindowAttentionFunction(torch.autograd.Function):
@@ -223,20 +226,23 @@ class WindowAttentionFunction(torch.autograd.Function):
     def backward(ctx, do):
         q, ks, vs, mk, mv, sink_s, sink_v, qpos, spos, evict, last, idx, counts, sink_seen, o, lse = ctx.saved_tensors
         do = do.contiguous()
-        delta = (o.float() * do.float()).sum(-1)
-        f32 = dict(device=q.device, dtype=torch.float32)
-        dq = torch.empty(q.shape, **f32)
-        dks, dvs = torch.zeros(ks.shape, **f32), torch.zeros(vs.shape, **f32)
-        dmk, dmv = torch.zeros(mk.shape, **f32), torch.zeros(mv.shape, **f32)
-        dsink_s, dsink_v = torch.empty(sink_s.shape, **f32), torch.zeros(sink_v.shape, **f32)
+        # dq and the sinks' score gradients are written once, in their inputs' dtype; the kernel adds into the
+        # others (atomics, float32), which share one buffer: one fill, and one cast back where their dtypes agree
+        dq, dsink_s = torch.empty_like(q), torch.empty_like(sink_s)
+        added = (ks, vs, mk, mv, sink_v)
+        sizes = [t.numel() for t in added]
+        flat = torch.zeros(sum(sizes), device=q.device, dtype=torch.float32)
+        dks, dvs, dmk, dmv, dsink_v = (part.view(t.shape) for part, t in zip(flat.split(sizes), added))
         # one config: autotuning would launch it several times, and its atomics would add up over the runs; 8 warps
         # hold its tiles (q, dO, dq, k, v, scores, their gradients: 64 x 64 each) in registers
         get_kernel(_window_bwd_kernel, key=("D", "HAS_MEM"), warps=(8,), stages=(2,))[ctx.grid](
-            q, qpos, ks, vs, spos, mk, mv, evict, last, idx, counts, sink_s, sink_v, sink_seen, lse, do, delta,
+            q, qpos, ks, vs, spos, mk, mv, evict, last, idx, counts, sink_s, sink_v, sink_seen, lse, do, o,
             dq, dks, dvs, dmk, dmv, dsink_s, dsink_v, *ctx.args, **ctx.meta)
-        grads = (dq.to(q.dtype), dks.to(ks.dtype), dvs.to(vs.dtype), dmk.to(mk.dtype), dmv.to(mv.dtype),
-                 dsink_s.to(sink_s.dtype), dsink_v.to(sink_v.dtype))
-        return grads + (None,) * 10
+        dtypes = {t.dtype for t in added}
+        if len(dtypes) == 1:
+            flat = flat.to(dtypes.pop())
+        dks, dvs, dmk, dmv, dsink_v = (part.view(t.shape).to(t.dtype) for part, t in zip(flat.split(sizes), added))
+        return (dq, dks, dvs, dmk, dmv, dsink_s, dsink_v) + (None,) * 10
 
 
 def window_attention_triton(q, qpos, ks, vs, spos, P0, window, scale, memory=None, sinks=None):
