@@ -445,9 +445,7 @@ def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sin
             takes_c(window_attention_cpu, q) and window_cpu_takes(q, k, v)):
         return _window_attention_fused(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sink_pos, window,
                                        rotary, scale, memory)
-    k_all = torch.cat([k_prev.to(k.dtype), k], 1)
-    v_all = torch.cat([v_prev.to(v.dtype), v], 1)
-    pos_all = torch.cat([pos_prev, pos], 1)
+    k_all, v_all, pos_all = after_held(k_prev, k), after_held(v_prev, v), after_held(pos_prev, pos)
     # Re-index keys so that query block n sees keys [n * Q, n * Q + W - 1 + Q): pad or drop on the left.
     shift = (W - 1) - k_prev.shape[1]
     if shift >= 0:
@@ -567,8 +565,7 @@ def _window_attention_fused(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink
             sink_s = _sink_scores(q, pos, sink_k, window, rotary, attend).view(B, T, H, S)
     else:
         qr, sink_s, seen = queries
-    ks, vs = (torch.cat([prev.to(attend), x.to(attend)], 1) for prev, x in ((k_prev, k), (v_prev, v)))
-    spos = torch.cat([pos_prev, pos], 1)
+    ks, vs, spos = after_held(k_prev, k.to(attend)), after_held(v_prev, v.to(attend)), after_held(pos_prev, pos)
     lists = None
     if memory is not None:
         mem_keys, mem_values, evict, last, size = memory
@@ -663,6 +660,12 @@ def _attention(q, k, v, bias, scale):
 
 
 _SDPA_SHARES_KEYS = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+def after_held(held: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """torch.cat([held, x], 1) in x's dtype, for reading only: x itself where nothing is held (training, a first
+    prompt), not a copy of it (on a GPU a launch, and the piece's bytes)."""
+    return x if held.shape[1] == 0 else torch.cat([held.to(x.dtype), x], 1)
 
 
 def to_cache(x: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
@@ -1502,13 +1505,12 @@ class AarenMixer(nn.Module):
                 return (cand_k, cand_v, evict, last, M), {"stream_score": torch.cat([prev_score, retention], 1),
                                                           "kept": kept}
         # as the memory would store them: what a query reads of a token that has left the window
-        stream_k = torch.cat([k_prev.to(k.dtype), k], 1).transpose(1, 2)
-        stream_v = torch.cat([v_prev.to(v.dtype), v], 1).transpose(1, 2)
+        stream_k, stream_v = after_held(k_prev, k).transpose(1, 2), after_held(v_prev, v).transpose(1, 2)
         coded = None
         if self.memory_codes is not None:
             # the codes kept too: keep_memory stores them as they are instead of coding the kept entries again
             (stream_k, stream_v), coded = self.memory_codes.round_with_codes(torch.stack([stream_k, stream_v]))
-        stream_pos = torch.cat([pos_prev, pos], 1).unsqueeze(1).expand(B, Hkv, -1)
+        stream_pos = after_held(pos_prev, pos).unsqueeze(1).expand(B, Hkv, -1)
         stream_score = torch.cat([prev_score, retention], 1)
         if state is not None and state.memory_k is not None:
             memory_k, memory_v = self.memory_entries(state)
