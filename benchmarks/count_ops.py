@@ -1,17 +1,17 @@
 #!/usr/bin/env python
 # Copyright 2026 The aaren-hf authors. Apache-2.0.
 """Operators per layer of one prefill, counted on the CPU: what a GPU, where the window and memory branch is
-launch-bound, pays in kernel launches. Counts every PyTorch operator that runs except views and bare allocations
-(each of the others runs a kernel on a GPU), through the PyTorch path (``AAREN_BACKEND=torch``: no C kernels), once
-as a CPU runs it and once as a GPU does (``modeling_aaren.launch_bound`` answering yes: one prefill piece, the GPU's
-sweep passes, and, when triton is installed, the scan per op head and window attention by their Triton kernels, in
-Triton's interpreter, each launch counted as one operator; without triton, the chunked PyTorch scan and window path).
-Then one decode step after a --decode-prompt-token prompt, in bf16 as a GPU runs it (the scan's step and, with
---window kernel, the window branch's step by their Triton kernels, each launch one operator), against the teacher's
-(Llama, sdpa, its KV cache): at batch 1 a GPU pays such a step in launches. Then one train step (forward and backward in
-bf16) as a GPU runs it, against the teacher's. Beside the operators, the bytes of the tensors each reads and writes
-(a Triton launch: its tensor arguments), what a GPU's memory moves where the tensors are large. Deterministic: no
-timing.
+launch-bound, pays in kernel launches. Counts every PyTorch operator that runs except views, bare allocations and
+operators that write no element (each of the others runs a kernel on a GPU), through the PyTorch path
+(``AAREN_BACKEND=torch``: no C kernels), once as a CPU runs it and once as a GPU does (``modeling_aaren.launch_bound``
+answering yes: one prefill piece, the GPU's sweep passes, and, when triton is installed, the scan per op head and window
+attention by their Triton kernels, in Triton's interpreter, each launch counted as one operator; without triton, the
+chunked PyTorch scan and window path). Then one decode step after a --decode-prompt-token prompt, in bf16 as a GPU runs
+it (the scan's step and, with --window kernel, the window branch's step by their Triton kernels, each launch one
+operator), against the teacher's (Llama, sdpa, its KV cache): at batch 1 a GPU pays such a step in launches. Then one
+train step (forward and backward in bf16) as a GPU runs it, against the teacher's. Beside the operators, the bytes of
+the tensors each reads and writes (a Triton launch: its tensor arguments), what a GPU's memory moves where the tensors
+are large. Deterministic: no timing.
 
     python -P benchmarks/count_ops.py                       # 32K tokens, as a CPU and as a GPU runs them
     python -P benchmarks/count_ops.py --tokens 4096 --layers 1 --window pytorch   # window attention as before aa87c5d
@@ -64,6 +64,9 @@ class CountOps(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        made = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if made and all(t.numel() == 0 for t in made):
+            return out  # writes no element: a GPU launches nothing for it (an empty state's tensors, say)
         if func.overloadpacket.__name__ not in VIEWS:
             self.add(func.overloadpacket.__name__, tensor_bytes((args, kwargs, out)))
         return out

@@ -129,6 +129,22 @@ def test_bench_model_arguments():
         bench.parse_args(["--device", "cpu", "--prefill-tokens", "0"])
 
 
+def test_count_ops_counts_what_launches():
+    """benchmarks/count_ops.py's counter: an operator that writes elements counts, by name; a view, a bare
+    allocation and an operator that writes no element (an empty state's tensors) launch nothing on a GPU and do
+    not count."""
+    import torch
+
+    load_bench()
+    count_ops = importlib.import_module("count_ops")
+    with count_ops.CountOps() as counter:
+        x = torch.ones(3)
+        x.view(3, 1), torch.empty(4), torch.zeros(2, 0), x[:0].clone(), x[:0].to(torch.float16)
+        x + 1
+    assert counter.n == 2 and dict(counter.names) == {"ones": 1, "add": 1}
+    assert counter.bytes == 3 * 4 + (3 + 3) * 4  # ones writes 3 floats; add reads 3 and writes 3
+
+
 def test_count_ops_as_a_gpu_runs_it_runs_fewer_operators():
     """benchmarks/count_ops.py: a prompt past one CPU piece and several CPU sweep passes (the default mixer's memory
     ranks 448 of the tokens that left its 64-token window) runs fewer operators as a GPU runs it (one piece, one
