@@ -1271,8 +1271,8 @@ class AarenMixer(nn.Module):
 
     def window_branch(self, q, k, v, pos, state, retention=None, shared: Optional[dict] = None, mix=None):
         """The window branch's output [B, T, H, D] (window, sinks, memory), leaving the next state in ``state``;
-        with ``mix`` (the Aaren branch's output, the gate logits) already mixed with the Aaren branch's
-        (:func:`mix_branches`: a decode step's kernel mixes them in its launch)."""
+        with ``mix`` (the Aaren branch's output, the gate logits) the layer's: the two branches mixed by
+        :func:`mix_branches` (here, so that a decode step's kernel can mix them in its own launch)."""
         B, T, Hkv, D = k.shape
         if self.steps_one_token(state, T):
             return self.window_step(q, k, v, pos, state, retention, shared, mix)
