@@ -1142,9 +1142,7 @@ class AarenMixer(nn.Module):
         if self.aaren_branch:
             o, s = self.aaren_output(x, q, k, v, mask, state)
         if self.window > 0:
-            retention = None
-            if self.memory_size > 0:
-                retention = self.share_retention(self.retention_score(x, s), shared)
+            retention = self.retention_score(x, s) if self.memory_size > 0 else None
             mix = None
             if self.aaren_branch:
                 mix = o, self.window_gate if hasattr(self, "window_gate") else self.gate_proj(x)
@@ -1244,38 +1242,51 @@ class AarenMixer(nn.Module):
         return s.transpose(1, 2).reshape(B, T, -1) * self.scale
 
     def retention_score(self, x, aaren_scores):
-        """[B, T, Hkv] float32: how much each token deserves a place in the memory once it leaves the window.
-
-        Rounded to a grid of 1/64: the same token gets scores that differ in the last bits between a parallel pass
-        and a decode step (other matmul shapes), and an exact tie broken one way in one and the other way in the
-        other would make the two paths keep different tokens. On the grid, ties are real and go to the newer token.
-        """
+        """[B, T, Hkv]: how much each token deserves a place in the memory once it leaves the window, as computed
+        (in the projection's dtype, or float32); the memory ranks by :meth:`ranking_score` of it."""
         if self.memory_rule == "learned":
-            score = self.retention_proj(x).float()
-        else:
-            B, T = x.shape[:2]
-            score = aaren_scores.view(B, T, self.num_kv_heads, -1).amax(-1)
-        return round_retention(score.detach())
+            return self.retention_proj(x).detach()
+        B, T = x.shape[:2]
+        return aaren_scores.view(B, T, self.num_kv_heads, -1).amax(-1).detach()
 
-    def share_retention(self, retention, shared: Optional[dict]):
-        """Layer ``memory_shared_layer`` leaves its score (best over KV heads) in ``shared``; the layers after it
-        rank by the larger of theirs and that one. Both are on the 1/64 grid, so the maximum is too: ties stay real.
-        """
+    def ranking_score(self, score, shared: Optional[dict]):
+        """The score [B, T, Hkv] the memory ranks tokens by: ``score`` (:meth:`retention_score`) on a grid of 1/64,
+        and in the layers after ``memory_shared_layer`` the larger of that and the best (over KV heads) of layer
+        ``memory_shared_layer``, which leaves it in ``shared``. The grid: the same token gets scores that differ in
+        the last bits between a parallel pass and a decode step (other matmul shapes), and an exact tie broken one
+        way in one and the other way in the other would make the two paths keep different tokens. On the grid ties
+        are real (the maximum of two scores on it is on it too) and go to the newer token. The decode step's kernels
+        (C and Triton) do the same from the score itself, with :meth:`sharing`'s arguments."""
+        score = round_retention(score)
         L = self.memory_shared_layer
         if L is None or shared is None or self.layer_idx < L:
-            return retention
+            return score
         if self.layer_idx == L:
-            shared["retention"] = retention.amax(-1, keepdim=True)
-            return retention
-        return torch.maximum(retention, shared["retention"])  # the config guarantees layer L has a memory
+            shared["retention"] = score.amax(-1, keepdim=True)
+            return score
+        return torch.maximum(score, shared["retention"])  # the config guarantees layer L has a memory
+
+    def sharing(self, shared: Optional[dict], x):
+        """How a kernel shares the ranking score (:meth:`ranking_score`): (0, None) not at all; (1, a new float32
+        [B, T, 1] the kernel fills with this layer's best over KV heads, for the caller to leave in ``shared``);
+        (2, the best of layer ``memory_shared_layer``, which this layer ranks by beside its own)."""
+        L = self.memory_shared_layer
+        if self.memory_size == 0 or L is None or shared is None or self.layer_idx < L:
+            return 0, None
+        if self.layer_idx == L:
+            return 1, x.new_empty(*x.shape[:2], 1, dtype=torch.float32)
+        return 2, shared["retention"]
 
     def window_branch(self, q, k, v, pos, state, retention=None, shared: Optional[dict] = None, mix=None):
         """The window branch's output [B, T, H, D] (window, sinks, memory), leaving the next state in ``state``;
         with ``mix`` (the Aaren branch's output, the gate logits) the layer's: the two branches mixed by
-        :func:`mix_branches` (here, so that a decode step's kernel can mix them in its own launch)."""
+        :func:`mix_branches` (here, so that a decode step's kernel can mix them in its own launch). ``retention``:
+        :meth:`retention_score`'s, ranked (:meth:`ranking_score`) here or in the step's kernel."""
         B, T, Hkv, D = k.shape
         if self.steps_one_token(state, T):
             return self.window_step(q, k, v, pos, state, retention, shared, mix)
+        if retention is not None:
+            retention = self.ranking_score(retention, shared)
         rotary = self.rotary(pos, shared)
         stored = self.kv_cache_dtype or k.dtype
         S = self.num_sinks
@@ -1335,13 +1346,8 @@ class AarenMixer(nn.Module):
         if not step and q is None:
             return None
         B, T = x.shape[:2]
-        L, M, S = self.memory_shared_layer, self.memory_size, self.num_sinks
-        share, shared_retention = 0, None
-        if M > 0 and L is not None and shared is not None and self.layer_idx >= L:
-            if self.layer_idx == L:
-                share, shared_retention = 1, x.new_empty(B, T, 1, dtype=torch.float32)
-            else:
-                share, shared_retention = 2, shared["retention"]
+        M, S = self.memory_size, self.num_sinks
+        share, shared_retention = self.sharing(shared, x)
         gate = None
         if self.aaren_branch and self.window > 0:
             gate = self.window_gate if hasattr(self, "window_gate") else self.gate_proj(x)
@@ -1376,11 +1382,16 @@ class AarenMixer(nn.Module):
         (cos, sin), sink_angles = self.step_angles(pos, shared)
         if takes_triton(fused_window_step, q):
             codes = self.memory_codes
-            out = fused_window_step(q, k, v, pos, (cos, sin), sink_angles, state, retention, W, S, M,
+            share = self.sharing(shared, q)
+            out = fused_window_step(q, k, v, pos, (cos, sin), sink_angles, state, retention, share, W, S, M,
                                     codes and codes.bits, bool(codes and codes.rotate), self.kv_cache_dtype,
                                     self.scale, mix)
             if out is not None:
+                if share[0] == 1:
+                    shared["retention"] = share[1]
                 return out
+        if retention is not None:
+            retention = self.ranking_score(retention, shared)
         p = pos[:, 0]
         stored = state.window_k.dtype
         qk = rotate_by(torch.cat([q, k], 2), cos, sin)  # q and k at the token's position

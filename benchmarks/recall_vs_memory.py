@@ -39,6 +39,7 @@ import torch
 
 from aaren_hf.conversion.cli import MEMORY_BITS_FLAGS, layer_or_none, memory_bits_from_flag
 from aaren_hf.conversion.recipes import default_memory_hadamard
+from aaren_hf.modeling_aaren import round_retention
 
 
 def _ints(text: str) -> list[int]:
@@ -89,8 +90,9 @@ def key_ranks(model, tokenizer, filler: list, distances: list, trials: int, seed
     for i, mixer in enumerate(mixers):
         if mixer.memory_size > 0:
             def record(x, aaren_scores, i=i, score=mixer.retention_score):
-                scores[i] = score(x, aaren_scores)
-                return scores[i]
+                raw = score(x, aaren_scores)
+                scores[i] = round_retention(raw)  # on the grid the memory ranks on (ranking_score)
+                return raw
             mixer.retention_score = record  # this instance only: the model is discarded after the benchmark
     out = {}
     for distance in distances:

@@ -142,15 +142,15 @@ def fused_window_attention(q, qpos, ks, vs, spos, P0, window, scale, memory=None
     return window_attention_triton(q, qpos, ks, vs, spos, P0, window, scale, memory, sinks)
 
 
-def fused_window_step(q, k, v, pos, angles, sink_turn, state, retention, window, sinks, memory_size, bits, rotate,
-                      kv_cache_dtype, scale, mix=None):
+def fused_window_step(q, k, v, pos, angles, sink_turn, state, retention, share, window, sinks, memory_size, bits,
+                      rotate, kv_cache_dtype, scale, mix=None):
     """The window branch's decode step in one Triton launch (``window/fused_recurrent.py``; reference:
     ``AarenMixer.window_step``), the state written in place, the output mixed with the Aaren branch's where ``mix``
     says so; None where it does not take the inputs. Callers check ``select_backend(q) == "triton"`` first."""
     from .window.fused_recurrent import window_step_triton
 
-    return window_step_triton(q, k, v, pos, angles, sink_turn, state, retention, window, sinks, memory_size, bits,
-                              rotate, kv_cache_dtype, scale, mix)
+    return window_step_triton(q, k, v, pos, angles, sink_turn, state, retention, share, window, sinks, memory_size,
+                              bits, rotate, kv_cache_dtype, scale, mix)
 
 
 def fused_memory_round(x, bits, rotate):

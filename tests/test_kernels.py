@@ -937,13 +937,14 @@ c = dict(H=9, HKV=3, S=1, D=64, BD=64, BQ=64, BK=64, HAS_MEM=True, DOT_PREC="tf3
 aot(window_chunk._window_fwd_kernel, dict(common, o=B), c)
 aot(window_chunk._window_bwd_kernel, dict(common, do=B, o=B, dq=B, dks=P, dvs=P, dmk=P, dmv=P, dsink_s=B,
                                           dsink_v=P), c)
-sig = dict(q=B, k=B, v=B, pos=I, cos_t=P, sin_t=P, cos_s=P, sin_s=P, retention=P, out=B, aaren_o=B, gate=B,
+sig = dict(q=B, k=B, v=B, pos=I, cos_t=P, sin_t=P, cos_s=P, sin_s=P, retention=B, shared=P, out=B, aaren_o=B, gate=B,
            gate_b="i32", win_k=B, win_v=B, win_pos=I, win_score=P, sink_k=B, sink_v=B, sink_pos=I, mem_k="*u8",
            mem_v="*u8", mem_k_scale=B, mem_v_scale=B, mem_pos=I, mem_score=P, scale="fp32")
-c = dict(H=9, HKV=3, G=3, BG=4, D=64, BD=64, LOG_BD=6, ROT=64, W=64, BW=64, S=1, M=448, BM=64, MP=512, BITS=4,
-         ROTATE=True, SATURATE=False, MIX=True)
-for consts, mem in ((c, "*u8"), (dict(c, D=128, BD=128, LOG_BD=7, G=4, H=12, BITS=8, ROTATE=False), "*i8"),
-                    (dict(c, D=96, BD=128, LOG_BD=7, ROT=48, M=16, BM=16, MP=16, BITS=0, ROTATE=False, MIX=False), B)):
+c = dict(H=9, HKV=3, BHKV=4, G=3, BG=4, D=64, BD=64, LOG_BD=6, ROT=64, W=64, BW=64, S=1, M=448, BM=64, MP=512, BITS=4,
+         ROTATE=True, SATURATE=False, MIX=True, SHARE=1)
+for consts, mem in ((c, "*u8"), (dict(c, D=128, BD=128, LOG_BD=7, G=4, H=12, BITS=8, ROTATE=False, SHARE=2), "*i8"),
+                    (dict(c, D=96, BD=128, LOG_BD=7, ROT=48, M=16, BM=16, MP=16, BITS=0, ROTATE=False, MIX=False,
+                          SHARE=0), B)):
     aot(window_step._window_step_kernel, dict(sig, mem_k=mem, mem_v=mem), consts, num_warps=4, num_stages=1,
         enable_fp_fusion=False)
 for bits, codes in ((4, "*u8"), (8, "*i8")):

@@ -674,7 +674,7 @@ def reference_mixer(mixer, config, x, mask):
     memory = config.layer_memory_size(mixer.layer_idx)
     if not mixer.aaren_branch:  # a sliding-attention layer: the window branch alone
         win = brute_force_window(q, k, v, pos, config.window_size, config.num_sink_tokens, mixer.rope_inv_freq,
-                                 scale, memory, mixer.retention_score(x.float(), None),
+                                 scale, memory, mixer.ranking_score(mixer.retention_score(x.float(), None), None),
                                  kv_dtype=mixer.kv_cache_dtype, memory_bits=config.memory_bits,
                                  memory_hadamard=config.memory_hadamard)
         return lin(mixer.o_proj, win.reshape(B, T, H * D))
@@ -701,7 +701,7 @@ def reference_mixer(mixer, config, x, mask):
         retention = None
         if memory:  # the mixer's own scores: the rule is checked by test_memory_matches_brute_force
             s_all = s.float().masked_fill(~mask[:, :, None], 0.0)
-            retention = mixer.retention_score(x.float(), s_all)
+            retention = mixer.ranking_score(mixer.retention_score(x.float(), s_all), None)
         win = brute_force_window(q, k, v, pos, config.window_size, config.num_sink_tokens, mixer.rope_inv_freq,
                                  scale, memory, retention, kv_dtype=mixer.kv_cache_dtype, memory_bits=config.memory_bits,
                                  memory_hadamard=config.memory_hadamard)
@@ -906,15 +906,27 @@ def test_memory_visibility_equals_ranking_every_query_by_brute_force(ranking, mo
     assert bool(ran) == (ranking == "triton")
 
 
-@pytest.mark.parametrize("backend", ["c", "torch"])
+@pytest.mark.parametrize("backend", ["c", "torch", "triton"])
 @pytest.mark.parametrize("case", ["memory_learned", "memory_int4_gqa", "memory_shared"])
 def test_a_nan_retention_score_ranks_as_minus_inf_in_every_path(case, backend, monkeypatch):
     """A broken model's NaN retention score: comparisons with NaN are false, so the parallel pass's ranking (the C
-    heap, or the sweep) and the decode step (C, or PyTorch) each treated it their own way and kept different tokens
-    (logits 2.8-5.7 apart here). Ranked as -inf everywhere, token-by-token decoding equals the parallel pass."""
+    heap, or the sweep) and the decode step (C, PyTorch, or the Triton step, which ranks the score itself) each
+    treated it their own way and kept different tokens (logits 2.8-5.7 apart here). Ranked as -inf everywhere,
+    token-by-token decoding equals the parallel pass."""
     if backend == "torch":
         monkeypatch.setenv("AAREN_BACKEND", "torch")
-    model = tiny_model(**MIXER_CASES[case])
+    if backend == "triton":  # as a GPU runs the model, in Triton's interpreter
+        if modeling.fused_window_step is None or not triton_available():
+            pytest.skip("needs triton and aaren_hf.kernels")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        monkeypatch.setattr(modeling, "launch_bound", lambda device: True)
+        steps, kernel = [], modeling.fused_window_step
+
+        def step(*args, **kwargs):
+            steps.append(kernel(*args, **kwargs))
+            return steps[-1]
+        monkeypatch.setattr(modeling, "fused_window_step", step)
+    model = tiny_model(**MIXER_CASES[case], **({"chunk_size": 16} if backend == "triton" else {}))
     for layer in model.model.layers:
         if hasattr(layer.mixer, "retention_proj"):  # NaN for the tokens whose first feature is large
             layer.mixer.retention_proj.register_forward_hook(
@@ -924,6 +936,8 @@ def test_a_nan_retention_score_ranks_as_minus_inf_in_every_path(case, backend, m
         full = model(ids, use_cache=False).logits
     assert torch.isfinite(full).all()
     torch.testing.assert_close(incremental_logits(model, ids, (7,)), full, atol=ATOL, rtol=0)
+    if backend == "triton":
+        assert steps and all(out is not None for out in steps)
 
 
 def test_shared_retention_keeps_the_top_tokens_by_the_larger_score():
@@ -949,7 +963,7 @@ def test_shared_retention_keeps_the_top_tokens_by_the_larger_score():
         left = range(S, T - W + 1)
         return [set(sorted(left, key=lambda j: (float(score[j, h]), j), reverse=True)[:M]) for h in range(2)]
 
-    own0, own1 = recorded[0][0], recorded[1][0]
+    own0, own1 = (modeling.round_retention(recorded[i][0]) for i in (0, 1))
     combined = torch.maximum(own1, own0.amax(-1, keepdim=True))
     got = [set(kept_shared[1].memory_pos[0, h].tolist()) for h in range(2)]
     assert got == brute(combined)

@@ -8,11 +8,13 @@ import pytest
 import torch
 
 import aaren_hf.modeling_aaren as modeling
+from aaren_hf import AarenCache
 from helpers import MIXER_CASES, STEP_CASES, kernel_beside_reference, step_inputs, tiny_model
 
 pytest.importorskip("triton")
 if modeling.fused_window_step is None:
     pytest.skip("aaren_hf.kernels is not importable", allow_module_level=True)
+from aaren_hf.kernels.window import fused_recurrent as step_kernel  # noqa: E402
 
 # one case per feature the kernel branches on (the interpreter is slow): sinks with the gate from the input (the
 # Aaren branch mixed in with per-token gates; the other cases' gates are per head), partial rotary, query groups, a
@@ -80,3 +82,70 @@ def test_gpu_window_step_equals_pytorch_step(monkeypatch):
     state = kernel_beside_reference(mixer, x, mask, pos, monkeypatch, "fused_window_step", prompt=40, tol=1e-2)
     # full, and trading: an entry past the first S + M eligible positions took a slot from an earlier one
     assert int(state.memory_pos.min()) >= 0 and int(state.memory_pos.max()) > 1 + 448
+
+
+def test_triton_step_ranks_and_shares_retention_as_the_pytorch_step(monkeypatch):
+    """memory_shared_layer=0, decoded token by token with the kernel and with the PyTorch step: the kernel ranks the
+    score itself (the 1/64 grid, layer 0 leaving its best over kv heads in ``shared``, layer 1 ranking by the larger
+    of its own and that one), so the layers keep the same tokens with the same scores, bit for bit, and the logits
+    are the same to rounding. Layer 0's retention weights are scaled up so that its best decides the later layers'
+    memories. Layer 0's state is the same bit for bit; the later layers' inputs differ by the rounding of the
+    outputs before them (the kernel sums in another order), so the rest of their state is compared to rounding."""
+    as_a_gpu(monkeypatch)
+    model = tiny_model(chunk_size=16, **MIXER_CASES["memory_shared"], num_hidden_layers=3)
+    with torch.no_grad():
+        model.model.layers[0].mixer.retention_proj.weight.mul_(40)
+    ids = torch.randint(3, model.config.vocab_size, (2, 22), generator=torch.Generator().manual_seed(4))
+    kernel, served = modeling.fused_window_step, []
+
+    def counted(*args, **kwargs):
+        out = kernel(*args, **kwargs)
+        served.append(out is not None)
+        return out
+
+    runs = {}
+    for name, step in (("kernel", counted), ("pytorch", None)):
+        monkeypatch.setattr(modeling, "fused_window_step", step)
+        cache = AarenCache(model.config)
+        with torch.no_grad():
+            logits = [model(ids[:, :4], past_key_values=cache, use_cache=True).logits]
+            logits += [model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits for t in range(4, 22)]
+        runs[name] = torch.cat(logits, 1), [layer.tensors() for layer in cache.layers]
+    assert len(served) == 18 * 3 and all(served)
+    torch.testing.assert_close(runs["kernel"][0], runs["pytorch"][0], atol=1e-4, rtol=1e-4)
+    for i, (got, want) in enumerate(zip(runs["kernel"][1], runs["pytorch"][1])):
+        assert got.keys() == want.keys()
+        for key in got:
+            if i == 0 or key in ("window_score", "window_pos", "memory_pos", "memory_score"):
+                assert torch.equal(got[key], want[key]), f"layer {i}: {key}"
+            else:
+                torch.testing.assert_close(got[key].float(), want[key].float(), atol=1e-4, rtol=1e-4,
+                                           msg=lambda m: f"layer {i}: {key}: {m}")
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in multiply:RuntimeWarning")  # 3e38 * 64 in the interpreter
+def test_the_kernels_grid_is_round_retention(monkeypatch):
+    """The step kernel's ranking grid (``_on_grid``) is ``round_retention`` bit for bit: ties (k + 1/2) / 64 to
+    even either side of zero, scores near 2^16 and 2^17 (whose multiples of 64 lie near 2^22 and 2^23, where the
+    float32 spacing reaches 1/2 and 1), the largest floats, infinities, NaN, zeros and tiny scores of either sign
+    (which round to zeros of their sign)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def grid_kernel(x, y, N: tl.constexpr):
+        i = tl.arange(0, N)
+        tl.store(y + i, step_kernel._on_grid(tl.load(x + i)))
+
+    halves = (torch.arange(-40, 40) + 0.5) / 64
+    near = torch.tensor([2.0 ** 22 - 1.5, 2.0 ** 22 - 0.5, 2.0 ** 22 + 0.5, 2.0 ** 22 + 1.5, 2.0 ** 23 - 1.5,
+                         2.0 ** 23 - 0.5, 2.0 ** 23 + 1.0]) / 64  # ties, scaled by 64, either side of 2^22 and 2^23
+    near = torch.cat([near, -near])
+    edges = torch.tensor([65535.99, 65536.01, 131071.99, 131072.01, -65536.01, 2.0 ** 20 + 0.5 / 64, 3e38, -3e38,
+                          float("inf"), float("-inf"), float("nan"), 1e-30, -1e-30, 0.0, -0.0, 0.5 / 64, -0.5 / 64])
+    edges = torch.cat([near, edges])
+    x = torch.cat([halves, edges, torch.randn(512 - 80 - len(edges), generator=torch.Generator().manual_seed(0))])
+    y = torch.empty_like(x)
+    grid_kernel[(1,)](x, y, N=512)
+    assert torch.equal(y.view(torch.int32), modeling.round_retention(x).view(torch.int32))

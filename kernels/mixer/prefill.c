@@ -5,7 +5,7 @@
  *
  *   1. the Aaren branch (aaren/step.c, aaren_branch_prefill), which also gives the slot scores;
  *   2. the retention scores: retention_proj(x) as given ("learned") or the best slot score of each kv head
- *      ("aaren"), on the 1/64 grid, shared as share_retention does (as mixer/step.c for a decode token);
+ *      ("aaren"), on the 1/64 grid, shared as ranking_score shares it (as mixer/step.c for a decode token);
  *   3. the window's bookkeeping (window/prefill.c: rotation, rounding, sinks, the next window), the memory's
  *      candidates and next state (memory/prefill.c), the queries (window/chunk.c: rotation, sink scores) and the
  *      window attention (window/chunk.c);

@@ -5,7 +5,7 @@
  *
  *   1. the Aaren branch (aaren/step.c), which also gives the token's slot scores;
  *   2. the token's retention score: retention_proj(x) as given ("learned") or the best slot score of each kv head
- *      ("aaren"), on the 1/64 grid (round_retention), shared as share_retention does (the layer that shares leaves
+ *      ("aaren"), on the 1/64 grid (round_retention), shared as ranking_score shares it (the layer that shares leaves
  *      its best over kv heads; the layers after it rank by the larger of theirs and that one);
  *   3. the window branch (window/step.c), which offers the oldest window entry to the memory by that score;
  *   4. the two branches mixed by the gate: lerp(aaren, window, sigmoid(gate)).
@@ -32,7 +32,7 @@ static inline float lerp(float a, float b, float w) {
 /* The retention scores of n tokens (a decode step's B, a prompt's B T) into retention [n, Hkv]: retention_proj(x)
  * as given in retention_in [n, Hkv] (rule 1) or the best of each kv head's slot scores s [n, HJ] (rule 2), on the
  * 1/64 grid (round_retention); share 1 writes each token's best over kv heads to shared [n], 2 ranks by the larger
- * of its own and that one (share_retention). mixer/prefill.c uses it too. */
+ * of its own and that one (ranking_score). mixer/prefill.c uses it too. */
 void aaren_retention_scores(int64_t n, int Hkv, int HJ, int rule, int share, const float *retention_in,
                             const float *s, float *shared, float *retention) {
     const int GJ = HJ / Hkv;

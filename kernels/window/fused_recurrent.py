@@ -11,7 +11,8 @@ more than the arithmetic. The algorithm is ``step.c``'s (the CPU's step); per se
      output turned back once);
   3. the oldest window entry offered to the memory: it takes the weakest slot (lowest score, then oldest) if it
      ranks (offer_to_memory's rule), coded as ``MemoryCodes.encode`` codes it (the same butterflies, the bfloat16
-     scale by integer arithmetic, round-half-even codes: the same bytes);
+     scale by integer arithmetic, round-half-even codes: the same bytes); the token's retention score ranked as
+     ``ranking_score`` ranks it (the 1/64 grid; the layers' shared best, which one program holds for its sequence);
   4. the window shifted by one, in place;
   5. in a layer with an Aaren branch, the output mixed with that branch's (``mix_branches``: the gate's sigmoid and
      torch.lerp's two formulas in the output's dtype), so the layer's step launches nothing between the two kernels
@@ -28,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..aaren.chunk import _ADD, _MIN, device_function, get_kernel
+from ..aaren.chunk import _ADD, _MAX, _MIN, device_function, get_kernel
 from ..memory.codes import _butterflies, _cast, _codes, _store_codes
 from ..state import writable
 from .chunk import _softmax_step
@@ -49,6 +50,17 @@ def _rotated(x, at, rows, cols, cos, sin, D: tl.constexpr, ROT: tl.constexpr):
 
 
 @device_function
+def _on_grid(score):
+    """``round_retention``: float32 scores on a grid of 1/64, NaN as -inf; the rounding half to even, as torch.round
+    (adding 2^23 to a magnitude below it leaves the nearest whole number, ties to even; from 2^23 on every float is
+    whole), zeros and the scores that round to zero keeping their sign."""
+    y = tl.where(score != score, float("-inf"), score) * 64
+    a = tl.abs(y)
+    a = tl.where(a < 8388608.0, (a + 8388608.0) - 8388608.0, a)
+    return tl.where(y == 0, y, tl.where(y < 0, -a, a)) / 64
+
+
+@device_function
 def _read_entries(mem, mem_scale, e, cols, m_e, D: tl.constexpr, BITS: tl.constexpr):
     """Memory entries e [N, 1] as float32 [N, BD]: stored values, or codes times their scale (``MemoryCodes.decode``
     leaving Hadamard codes rotated): 4 bits two to a byte, the first half of the vector in the low nibbles."""
@@ -64,14 +76,14 @@ def _read_entries(mem, mem_scale, e, cols, m_e, D: tl.constexpr, BITS: tl.conste
 
 
 def _window_step_kernel(
-    q, k, v, pos, cos_t, sin_t, cos_s, sin_s, retention, out, aaren_o, gate, gate_b,
+    q, k, v, pos, cos_t, sin_t, cos_s, sin_s, retention, shared, out, aaren_o, gate, gate_b,
     win_k, win_v, win_pos, win_score, sink_k, sink_v, sink_pos,
     mem_k, mem_v, mem_k_scale, mem_v_scale, mem_pos, mem_score,
     scale,
-    H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-    LOG_BD: tl.constexpr, ROT: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, S: tl.constexpr, M: tl.constexpr,
-    BM: tl.constexpr, MP: tl.constexpr, BITS: tl.constexpr, ROTATE: tl.constexpr, SATURATE: tl.constexpr,
-    MIX: tl.constexpr,
+    H: tl.constexpr, HKV: tl.constexpr, BHKV: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr,
+    BD: tl.constexpr, LOG_BD: tl.constexpr, ROT: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, S: tl.constexpr,
+    M: tl.constexpr, BM: tl.constexpr, MP: tl.constexpr, BITS: tl.constexpr, ROTATE: tl.constexpr,
+    SATURATE: tl.constexpr, MIX: tl.constexpr, SHARE: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     WP: tl.constexpr = W - 1  # window entries held
@@ -95,6 +107,12 @@ def _window_step_kernel(
     g = tl.arange(0, BG)[:, None]
     m_g = g < G
     stored = win_k.dtype.element_ty
+    if SHARE == 1:  # this layer's best ranking score over kv heads, for the layers after it
+        heads = tl.arange(0, BHKV)
+        own = tl.load(retention + b * HKV + heads, mask=heads < HKV, other=float("-inf")).to(tl.float32)
+        tl.store(shared + b, tl.reduce(_on_grid(own), 0, _MAX))
+    if SHARE == 2:
+        best = tl.load(shared + b)
 
     for hk in range(HKV):
         row = b * HKV + hk
@@ -190,7 +208,10 @@ def _window_step_kernel(
             tl.store(mem_pos + e + 0 * two, p0 + 0 * two, mask=enters & (two == 0))
             tl.store(mem_score + e + 0 * two, s0 + 0 * two, mask=enters & (two == 0))
             next_score = tl.load(win_score + (b * WP + j + 1) * HKV + hk, mask=j + 1 < WP, other=0)
-            next_score = tl.where(j + 1 == WP, tl.load(retention + row), next_score)
+            ranked = _on_grid(tl.load(retention + row).to(tl.float32))
+            if SHARE == 2:
+                ranked = tl.maximum(ranked, best)
+            next_score = tl.where(j + 1 == WP, ranked, next_score)
 
         # 4. the window shifted by one (every row read before any is written), the token last; its sink slot
         at_next = ((b * WP + j + 1) * HKV + hk) * D + cols
@@ -210,10 +231,11 @@ def _window_step_kernel(
     tl.store(sink_pos + b * S + pc, pc, mask=a_sink & (cols == 0))
 
 
-def window_step_triton(q, k, v, pos, angles, sink_turn, state, retention, window, sinks, memory_size, bits, rotate,
-                       kv_cache_dtype, scale, mix=None):
+def window_step_triton(q, k, v, pos, angles, sink_turn, state, retention, share, window, sinks, memory_size, bits,
+                       rotate, kv_cache_dtype, scale, mix=None):
     """``AarenMixer.window_step`` in one launch: q [B, 1, H, D], k and v [B, 1, Hkv, D] before rotary, pos [B, 1];
-    ``angles`` and ``sink_turn`` from ``step_angles``; ``retention`` [B, 1, Hkv] float32 where there is a memory.
+    ``angles`` and ``sink_turn`` from ``step_angles``; where there is a memory, ``retention`` [B, 1, Hkv] (the score
+    as ``retention_score`` computes it: the kernel ranks it) and ``share`` (``AarenMixer.sharing``'s mode and tensor).
     Returns the output [B, 1, H, D] in q's dtype, with ``mix`` (the Aaren branch's output in q's dtype, the gate
     logits [H] or [B, 1, H]) mixed with it as ``mix_branches`` mixes them, and leaves the new state in ``state``
     (written in place); None, touching nothing, where the kernel does not take the inputs (a head size that is not a
@@ -240,13 +262,16 @@ def window_step_triton(q, k, v, pos, angles, sink_turn, state, retention, window
     G, BD = H // Hkv, triton.next_power_of_2(D)
     get_kernel(_window_step_kernel, key=("D", "M", "BITS"), warps=(4,), stages=(1,))[(B,)](
         q.contiguous(), k.contiguous(), v.contiguous(), pos.reshape(B).contiguous(), cos_t, sin_t, cos_s, sin_s,
-        dummy if retention is None else retention.float().contiguous(), out, aaren_o, gate,
+        dummy if retention is None else retention.contiguous(), dummy if share[1] is None else share[1], out,
+        aaren_o, gate,
         H if gate.dim() == 3 else 0,
         t["window_k"], t["window_v"], t["window_pos"], t.get("window_score", dummy), t["sink_k"], t["sink_v"],
         t["sink_pos"], t.get("memory_k", dummy), t.get("memory_v", dummy), t.get("memory_k_scale", dummy),
         t.get("memory_v_scale", dummy), t.get("memory_pos", dummy), t.get("memory_score", dummy), float(scale),
-        H=H, HKV=Hkv, G=G, BG=triton.next_power_of_2(G), D=D, BD=BD, LOG_BD=BD.bit_length() - 1, ROT=cos_t.shape[-1],
+        H=H, HKV=Hkv, BHKV=triton.next_power_of_2(Hkv), G=G, BG=triton.next_power_of_2(G), D=D, BD=BD,
+        LOG_BD=BD.bit_length() - 1, ROT=cos_t.shape[-1],
         W=W, BW=triton.next_power_of_2(W), S=S, M=M, BM=min(64, triton.next_power_of_2(max(M, 1))),
         MP=triton.next_power_of_2(max(M, 1)), BITS=bits or 0, ROTATE=bool(rotate and bits),
-        SATURATE=stored == torch.float16 and k.dtype != torch.float16, MIX=mix is not None, enable_fp_fusion=False)
+        SATURATE=stored == torch.float16 and k.dtype != torch.float16, MIX=mix is not None, SHARE=share[0],
+        enable_fp_fusion=False)
     return out
