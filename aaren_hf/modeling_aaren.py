@@ -560,11 +560,9 @@ def _window_attention_fused(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink
     if queries is None:
         qr = rotary.rotate(q).to(attend)
         if S > 0:
-            sp = sink_pos.view(B, 1, S)
-            seen = (sp >= 0) & (sp <= pos.unsqueeze(-1) - window) & (pos >= 0).unsqueeze(-1)
             sink_s = _sink_scores(q, pos, sink_k, window, rotary, attend).view(B, T, H, S)
     else:
-        qr, sink_s, seen = queries
+        qr, sink_s = queries
     ks, vs, spos = after_held(k_prev, k.to(attend)), after_held(v_prev, v.to(attend)), after_held(pos_prev, pos)
     lists = None
     if memory is not None:
@@ -574,7 +572,7 @@ def _window_attention_fused(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink
         if in_triton:  # the kernel reads any order, and as many of each list as its block needs
             nblk = -(-T // WINDOW_BLOCK)
             lists += _memory_lists(evict, last, T, nblk, WINDOW_BLOCK, width=size + WINDOW_BLOCK)
-    sinks = None if S == 0 else (sink_s, sink_v.to(attend), seen)
+    sinks = None if S == 0 else (sink_s, sink_v.to(attend), sink_pos)  # the kernels decide which a query sees
     kernel = fused_window_attention if in_triton else window_attention_cpu
     out = kernel(qr, pos, ks, vs, spos, k_prev.shape[1], window, scale, lists, sinks)
     return out.to(q.dtype)

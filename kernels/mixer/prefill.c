@@ -101,8 +101,7 @@ int aaren_mixer_prefill(
     for (int i = 0; i < FLOATS; at += n[i], i++)
         ok &= (f[i] = pooled ? pool + at : malloc(sizeof(float) * (size_t)n[i] + 1)) != NULL;
     int64_t *ints = malloc(sizeof(int64_t) * ((size_t)B * Hkv * C + T + 1 + (size_t)B * Ls) + 1);
-    uint8_t *seen = malloc((size_t)(BT * S) + 1);
-    int rc = ok && ints && seen ? 0 : 2;
+    int rc = ok && ints ? 0 : 2;
     if (rc) goto done;
     float *o = keep ? o_new : f[STATE], *lse = keep ? lse_new : f[STATE] + (int64_t)B * HJ * D;
     float *s = f[SCORES], *out_a = f[OUT_A], *retention = f[RETENTION], *kr = f[KR], *vr = f[VR], *ks = f[KS];
@@ -147,7 +146,7 @@ int aaren_mixer_prefill(
     widen(new_sink_k, bf16, sinks, sink_kf);
     widen(new_sink_v, bf16, sinks, sink_vf);
     rc = aaren_window_queries(B, T, H, Hkv, D, S, W, rot, q, pos, cos, sin, sink_kf, new_sink_pos, back_cos, back_sin,
-                              qr, sink_s, seen);
+                              qr, sink_s);
     if (rc != 0) goto done;
     for (int b = 0; b < B; b++) { /* the stream: the window held, then this prompt's tokens */
         widen((const char *)win_k + (size_t)b * Wp * HD * unit, bf16, Wp * HD, ks + (int64_t)b * Ls * HD);
@@ -158,10 +157,10 @@ int aaren_mixer_prefill(
         memcpy(spos + (int64_t)b * Ls + Wp, pos + (int64_t)b * T, sizeof(int64_t) * (size_t)T);
     }
     rc = aaren_window_attention(B, T, H, Hkv, D, Ls, Wp, W, C, S, scale, threads, qr, pos, ks, vs, spos, cand_k,
-                                cand_v, evict, last, sink_s, sink_vf, seen, out);
+                                cand_v, evict, last, sink_s, sink_vf, new_sink_pos, out);
     if (rc == 0 && J > 0) aaren_gate_mix(BT, H, D, gate, gate_per_token, out_a, out); /* the window's in out */
 done:
     for (int i = 0; i < FLOATS && !pooled; i++) free(f[i]);
-    free(ints), free(seen);
+    free(ints);
     return rc;
 }

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..cbuild import as_bytes, dense, load
+from ..cbuild import dense, load
 
 __all__ = ["rotate_cpu", "window_attention_cpu", "window_cpu_takes", "window_prefill_cpu", "window_queries_cpu"]
 
@@ -30,7 +30,7 @@ SIGNATURES = {"aaren_window_attention_takes": (ctypes.c_int, [ctypes.c_int] * 3)
               "aaren_window_attention_backward": (ctypes.c_int, _ARGS + [ctypes.c_void_p] * 8),
               "aaren_rotate": (ctypes.c_int, [ctypes.c_int64] + [ctypes.c_int] * 4 + [ctypes.c_void_p] * 4),
               "aaren_window_prefill": (ctypes.c_int, [ctypes.c_int] * 10 + [ctypes.c_void_p] * 19),
-              "aaren_window_queries": (ctypes.c_int, [ctypes.c_int] * 8 + [ctypes.c_void_p] * 11)}
+              "aaren_window_queries": (ctypes.c_int, [ctypes.c_int] * 8 + [ctypes.c_void_p] * 10)}
 
 
 def _library():
@@ -60,8 +60,8 @@ def rotate_cpu(x, cos, sin, inverse: bool = False):
 
 def window_queries_cpu(q, qpos, angles, sink_k, sink_pos, back_angles, window: int):
     """A prompt's queries as ``window_attention_cpu`` takes them, without gradients: (q rotated at its position, the
-    rotate_cpu bits; the sinks' scores [B, T, H, S] float32, ``_sink_scores``' to float rounding; what each query sees
-    of the sinks [B, T, S] uint8), the PyTorch lines of ``_window_attention_fused`` (modeling_aaren.py) in one call.
+    rotate_cpu bits; the sinks' scores [B, T, H, S] float32, ``_sink_scores``' to float rounding), the PyTorch lines
+    of ``_window_attention_fused`` (modeling_aaren.py) in one call.
     q [B, T, H, D] float32 (not rotated) at qpos [B, T]; ``angles``: (cos, sin) [B, T, 1, rot] at the queries'
     positions; sink_k [B, S, Hkv, D], sink_pos [B, S]; ``back_angles``: (cos, sin) [B, S + window, 1, rot], row i at
     -i (None without sinks). None where it does not apply (gradients wanted, not on a CPU, other dtypes or widths,
@@ -80,11 +80,11 @@ def window_queries_cpu(q, qpos, angles, sink_k, sink_pos, back_angles, window: i
     # held until the call returns: a contiguous copy made inside the call's arguments would be freed before it runs
     ins = [dense(t.detach()) for t in (q, qpos, *angles, sink_k.float(), sink_pos)]
     ins += [dense(t[0]) for t in turns] or [None, None]  # the same rows in every sequence
-    qr, scores, seen = torch.empty(q.shape), torch.empty(B, T, H, S), torch.empty(B, T, S, dtype=torch.uint8)
-    pointers = (None if t is None else t.data_ptr() for t in ins + [qr, scores, seen])
+    qr, scores = torch.empty(q.shape), torch.empty(B, T, H, S)
+    pointers = (None if t is None else t.data_ptr() for t in ins + [qr, scores])
     if lib.aaren_window_queries(B, T, H, Hkv, D, S, window, rot, *pointers):
         return None
-    return qr, scores, seen
+    return qr, scores
 
 
 def window_prefill_cpu(k, v, pos, angles, k_prev, v_prev, pos_prev, sinks, window: int, stored: torch.dtype,
@@ -133,8 +133,8 @@ def window_prefill_cpu(k, v, pos, angles, k_prev, v_prev, pos_prev, sinks, windo
 
 
 def _call(name, shape, tensors, P0, window, scale, *extra):
-    """``name`` on float32 contiguous tensors (q, qpos, ks, vs, spos, mk, mv, evict, last, sink_s, sink_v, seen, then
-    ``extra``)."""
+    """``name`` on contiguous tensors (q, qpos, ks, vs, spos, mk, mv, evict, last, sink_s, sink_v, sink_pos, then
+    ``extra``: float32 but the positions and indices)."""
     B, T, H, D, Hkv, Ls, C, S = shape
     rc = getattr(_library(), name)(B, T, H, Hkv, D, Ls, P0, window, C, S, scale, torch.get_num_threads(),
                                    *(t.data_ptr() for t in tensors + extra))
@@ -143,9 +143,9 @@ def _call(name, shape, tensors, P0, window, scale, *extra):
 
 
 def _forward(q, ks, vs, mk, mv, sink_s, sink_v, indices, shape, P0, window, scale):
-    qpos, spos, evict, last, seen = indices
+    qpos, spos, evict, last, sink_pos = indices
     out = torch.empty(q.shape)
-    _call("aaren_window_attention", shape, (q, qpos, ks, vs, spos, mk, mv, evict, last, sink_s, sink_v, seen), P0,
+    _call("aaren_window_attention", shape, (q, qpos, ks, vs, spos, mk, mv, evict, last, sink_s, sink_v, sink_pos), P0,
           window, scale, out)
     return out
 
@@ -160,11 +160,11 @@ class _WindowAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        q, ks, vs, mk, mv, sink_s, sink_v, qpos, spos, evict, last, seen = ctx.saved_tensors
+        q, ks, vs, mk, mv, sink_s, sink_v, qpos, spos, evict, last, sink_pos = ctx.saved_tensors
         grads = [torch.empty(q.shape), torch.zeros(ks.shape), torch.zeros(vs.shape), torch.zeros(mk.shape),
                  torch.zeros(mv.shape), torch.empty(sink_s.shape), torch.zeros(sink_v.shape)]
         _call("aaren_window_attention_backward", ctx.args[0], (q, qpos, ks, vs, spos, mk, mv, evict, last, sink_s,
-                                                              sink_v, seen), *ctx.args[1:], dense(dout.float()),
+                                                              sink_v, sink_pos), *ctx.args[1:], dense(dout.float()),
               *grads)
         return (*grads, None, None, None, None, None)
 
@@ -194,11 +194,11 @@ def window_attention_cpu(q, qpos, ks, vs, spos, P0, window, scale, memory=None, 
     else:
         mk, mv, evict, last = memory
     if sinks is None:
-        sink_s, sink_v, seen = q.new_zeros(B, T, H, 0), q.new_zeros(B, 0, Hkv, D), torch.zeros(B, T, 0)
+        sink_s, sink_v, sink_pos = q.new_zeros(B, T, H, 0), q.new_zeros(B, 0, Hkv, D), torch.zeros(B, 0)
     else:
-        sink_s, sink_v, seen = sinks
+        sink_s, sink_v, sink_pos = sinks
     f32 = lambda x: dense(x.float())  # noqa: E731
-    indices = (dense(qpos.long()), dense(spos.long()), dense(evict.long()), dense(last.long()), as_bytes(seen))
+    indices = (dense(qpos.long()), dense(spos.long()), dense(evict.long()), dense(last.long()), dense(sink_pos.long()))
     shape = (B, T, H, D, Hkv, Ls, mk.shape[2], sink_v.shape[1])
     inputs = (f32(q), f32(ks), f32(vs), f32(mk), f32(mv), f32(sink_s), f32(sink_v))
     # autograd's Function only where a gradient is wanted: it costs more than the call at a short prompt

@@ -146,13 +146,12 @@ static inline __attribute__((always_inline)) void values(const float *P, int64_t
  *   qr [B, T, H, D]     q rotated at its position (cos, sin [B, T, rot]), rotate_cpu's bits;
  *   scores [B, T, H, S] <q[b, t, h], R(-c) sink_k[b, s, h / G]>, c = min(max(qpos, 0), S + W - 1): the query read
  *                       at c, written as the sink key turned back by c (back_cos, back_sin [S + W, rot], row i at
- *                       -i) as the reference turns it; the sums in another order than its matmul: equal to rounding;
- *   seen [B, T, S]      sink s is seen by query t: both real, the sink outside the query's window.
- * S may be 0 (then only qr). */
+ *                       -i) as the reference turns it; the sums in another order than its matmul: equal to rounding.
+ * S may be 0 (then only qr). Which sinks a query sees, the attention decides from the positions. */
 int aaren_window_queries(int B, int T, int H, int Hkv, int D, int S, int W, int rot, const float *q,
                          const int64_t *qpos, const float *cos, const float *sin, const float *sink_k,
                          const int64_t *sink_pos, const float *back_cos, const float *back_sin, float *qr,
-                         float *scores, uint8_t *seen) {
+                         float *scores) {
     if (D % 8 || H % Hkv || D > 512) return 1;
     if (aaren_rotate((int64_t)B * T, H, D, rot, 0, q, cos, sin, qr)) return 1;
     const int G = H / Hkv;
@@ -162,8 +161,6 @@ int aaren_window_queries(int B, int T, int H, int Hkv, int D, int S, int W, int 
             const int64_t bt = (int64_t)b * T + t, p = qpos[bt];
             const int64_t c = p < 0 ? 0 : p > S + W - 1 ? S + W - 1 : p;
             for (int s = 0; s < S; s++) {
-                const int64_t sp = sink_pos[(int64_t)b * S + s];
-                seen[bt * S + s] = sp >= 0 && p >= 0 && sp <= p - W;
                 for (int hk = 0; hk < Hkv; hk++) {
                     aaren_rotate(1, 1, D, rot, 0, sink_k + (((int64_t)b * S + s) * Hkv + hk) * D, back_cos + c * rot,
                                  back_sin + c * rot, turned);
@@ -188,7 +185,7 @@ typedef struct {
     float scale;
     const float *q, *ks, *vs, *mk, *mv, *sink_s, *sink_v;
     const int64_t *qpos, *spos, *evict, *last;
-    const uint8_t *sink_seen;
+    const int64_t *sink_pos;
     float *out;                                          /* forward: the output; backward: NULL */
     const float *dout;                                   /* backward: what flows back, and the gradients: */
     float *dq, *dks, *dvs, *dmk, *dmv, *dsink_s, *dsink_v; /* dq, dsink_s written, the others added to (zeroed) */
@@ -356,8 +353,8 @@ static void weights(const job *j, buffers *m, const block *k_) {
             v8i32 out = win | mem;
             memcpy(seen + k, &out, sizeof(out));
         }
-        const uint8_t *sseen = j->sink_seen + ((int64_t)k_->b * T + t) * S;
-        for (int s = 0; s < S8; s++) seen[Kp + s] = -(s < S && sseen[s]);
+        const int64_t *sp = j->sink_pos + (int64_t)k_->b * S, p = j->qpos[(int64_t)k_->b * T + t];
+        for (int s = 0; s < S8; s++) seen[Kp + s] = -(s < S && sp[s] >= 0 && sp[s] <= p - W); /* outside the window */
     }
     for (int r0 = 0; r0 < nr_p; r0 += RT) {
         int k0, k1;
@@ -545,11 +542,11 @@ static int launch(job *proto, int items) {
         const float *ks, const float *vs, const int64_t *spos, /* the stream [B, Ls, Hkv, D], [B, Ls] */              \
         const float *mk, const float *mv,                  /* memory candidates [B, Hkv, C, D] */                    \
         const int64_t *evict, const int64_t *last,         /* [B, Hkv, C], [T + 1] */                                \
-        const float *sink_s, const float *sink_v, const uint8_t *sink_seen /* [B, T, H, S], [B, S, Hkv, D], [B, T, S] */
+        const float *sink_s, const float *sink_v, const int64_t *sink_pos /* [B, T, H, S], [B, S, Hkv, D], [B, S] */
 #define JOB                                                                                                           \
     (job) {                                                                                                           \
         B, T, H, Hkv, D, W, S, Ls, P0, C, scale, q, ks, vs, mk, mv, sink_s, sink_v, qpos, spos, evict, last,          \
-            sink_seen, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, threads, 0, NULL                         \
+            sink_pos, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, threads, 0, NULL                         \
     }
 
 int aaren_window_attention(ARGS, float *out /* [B, T, H, D] */) {

@@ -82,7 +82,7 @@ def _attend_backward(b_q, b_do, b_k, b_v, seen, b_lse, b_delta, scale, DOT_PREC:
 
 
 def _window_fwd_kernel(
-    q, qpos, ks, vs, spos, mk, mv, evict, last, idx, counts, sink_s, sink_v, sink_seen, o, lse,
+    q, qpos, ks, vs, spos, mk, mv, evict, last, idx, counts, sink_s, sink_v, sink_pos, o, lse,
     T, Ls, P0, W, C, K, NB, scale,
     H: tl.constexpr, HKV: tl.constexpr, S: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BQ: tl.constexpr,
     BK: tl.constexpr, HAS_MEM: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -120,9 +120,11 @@ def _window_fwd_kernel(
             seen = valid[:, None] & m_k[None, :] & (c[None, :] <= l_q[:, None]) & (l_q[:, None] < ends[None, :])
             m_i, l_i, acc = _attend(b_q, b_k, b_v, seen, m_i, l_i, acc, scale, DOT_PREC)
 
+    qp = tl.load(qpos + b * T + rows, mask=m_q, other=-1)
     for j in range(S):
         sc = tl.load(sink_s + row_off * S + j, mask=m_q, other=0).to(tl.float32) * scale
-        seen = valid & (tl.load(sink_seen + (b.to(tl.int64) * T + rows) * S + j, mask=m_q, other=0) != 0)
+        sp = tl.load(sink_pos + b.to(tl.int64) * S + j) + 0 * qp  # per row: the interpreter mishandles a scalar
+        seen = valid & (sp >= 0) & (sp <= qp - W)  # a filled sink, outside the query's window
         sv = tl.load(sink_v + ((b.to(tl.int64) * S + j) * HKV + hk) * D + cols, mask=m_d, other=0).to(tl.float32)
         m_i, alpha, p, l_i = _softmax_step(m_i, l_i, tl.where(seen, sc, float("-inf"))[:, None])
         acc = acc * alpha[:, None] + p * sv[None, :]
@@ -135,7 +137,7 @@ def _window_fwd_kernel(
 
 
 def _window_bwd_kernel(
-    q, qpos, ks, vs, spos, mk, mv, evict, last, idx, counts, sink_s, sink_v, sink_seen, lse, do, o,
+    q, qpos, ks, vs, spos, mk, mv, evict, last, idx, counts, sink_s, sink_v, sink_pos, lse, do, o,
     dq, dks, dvs, dmk, dmv, dsink_s, dsink_v,
     T, Ls, P0, W, C, K, NB, scale,
     H: tl.constexpr, HKV: tl.constexpr, S: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BQ: tl.constexpr,
@@ -189,9 +191,11 @@ def _window_bwd_kernel(
             tl.atomic_add(dmk + at, tl.dot(tl.trans(ds), b_q, input_precision=DOT_PREC), mask=m_kd)
             tl.atomic_add(dmv + at, tl.dot(tl.trans(p), b_do, input_precision=DOT_PREC), mask=m_kd)
 
+    qp = tl.load(qpos + b * T + rows, mask=m_q, other=-1)
     for j in range(S):
         sc = tl.load(sink_s + row_off * S + j, mask=m_q, other=0).to(tl.float32) * scale
-        seen = valid & (tl.load(sink_seen + (b.to(tl.int64) * T + rows) * S + j, mask=m_q, other=0) != 0)
+        sp = tl.load(sink_pos + b.to(tl.int64) * S + j) + 0 * qp
+        seen = valid & (sp >= 0) & (sp <= qp - W)
         sv_at = ((b.to(tl.int64) * S + j) * HKV + hk) * D + cols
         sv = tl.load(sink_v + sv_at, mask=m_d, other=0).to(tl.float32)
         p = tl.where(seen, tl.exp(sc - b_lse), 0.0)
@@ -204,7 +208,7 @@ def _window_bwd_kernel(
 
 class WindowAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, ks, vs, mk, mv, sink_s, sink_v, qpos, spos, evict, last, idx, counts, sink_seen, P0, W,
+    def forward(ctx, q, ks, vs, mk, mv, sink_s, sink_v, qpos, spos, evict, last, idx, counts, sink_pos, P0, W,
                 scale):
         B, T, H, D = q.shape
         Ls, Hkv, S = ks.shape[1], ks.shape[2], sink_v.shape[1]
@@ -216,15 +220,15 @@ class WindowAttentionFunction(torch.autograd.Function):
                     HAS_MEM=C > 0, DOT_PREC=_dot_precision(q))
         grid = (triton.cdiv(T, BQ), B * H)
         get_kernel(_window_fwd_kernel, key=("D", "HAS_MEM"))[grid](
-            q, qpos, ks, vs, spos, mk, mv, evict, last, idx, counts, sink_s, sink_v, sink_seen, o, lse, *args, **meta)
-        ctx.save_for_backward(q, ks, vs, mk, mv, sink_s, sink_v, qpos, spos, evict, last, idx, counts, sink_seen, o,
+            q, qpos, ks, vs, spos, mk, mv, evict, last, idx, counts, sink_s, sink_v, sink_pos, o, lse, *args, **meta)
+        ctx.save_for_backward(q, ks, vs, mk, mv, sink_s, sink_v, qpos, spos, evict, last, idx, counts, sink_pos, o,
                               lse)
         ctx.args, ctx.meta, ctx.grid = args, meta, grid
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, ks, vs, mk, mv, sink_s, sink_v, qpos, spos, evict, last, idx, counts, sink_seen, o, lse = ctx.saved_tensors
+        q, ks, vs, mk, mv, sink_s, sink_v, qpos, spos, evict, last, idx, counts, sink_pos, o, lse = ctx.saved_tensors
         do = do.contiguous()
         # dq and the sinks' score gradients are written once, in their inputs' dtype; the kernel adds into the
         # others (atomics, float32), which share one buffer: one fill, and one cast back where their dtypes agree
@@ -236,7 +240,7 @@ class WindowAttentionFunction(torch.autograd.Function):
         # one config: autotuning would launch it several times, and its atomics would add up over the runs; 8 warps
         # hold its tiles (q, dO, dq, k, v, scores, their gradients: 64 x 64 each) in registers
         get_kernel(_window_bwd_kernel, key=("D", "HAS_MEM"), warps=(8,), stages=(2,))[ctx.grid](
-            q, qpos, ks, vs, spos, mk, mv, evict, last, idx, counts, sink_s, sink_v, sink_seen, lse, do, o,
+            q, qpos, ks, vs, spos, mk, mv, evict, last, idx, counts, sink_s, sink_v, sink_pos, lse, do, o,
             dq, dks, dvs, dmk, dmv, dsink_s, dsink_v, *ctx.args, **ctx.meta)
         dtypes = {t.dtype for t in added}
         if len(dtypes) == 1:
@@ -253,7 +257,7 @@ def window_attention_triton(q, qpos, ks, vs, spos, P0, window, scale, memory=Non
     ``window``: W. ``memory``: None or (keys, values [B, Hkv, C, D], evict [B, Hkv, C], last [T + 1], idx
     [B, NB, Hkv, K] the candidates each block of BQ queries may see, seen ones first, counts [NB] how many of them
     the block needs at most) as ``_memory_blocks`` gives them with Q = BQ. ``sinks``: None or (scores [B, T, H, S],
-    values [B, S, Hkv, D], seen [B, T, S] bool). Returns [B, T, H, D] in q's dtype; gradients flow to q, ks, vs, the
+    values [B, S, Hkv, D], positions [B, S], -1 where empty: a query at p sees a sink at s <= p - W). Returns [B, T, H, D] in q's dtype; gradients flow to q, ks, vs, the
     memory's keys and values and the sinks' scores and values.
     """
     B, T, H, D = q.shape
@@ -269,10 +273,10 @@ def window_attention_triton(q, qpos, ks, vs, spos, P0, window, scale, memory=Non
         mk, mv, evict, last, idx, counts = memory
     if sinks is None:
         sink_s, sink_v = q.new_zeros(B, T, H, 0), q.new_zeros(B, 0, Hkv, D)
-        sink_seen = torch.zeros(B, T, 0, dtype=torch.bool, device=dev)
+        sink_pos = torch.zeros(B, 0, dtype=torch.long, device=dev)
     else:
-        sink_s, sink_v, sink_seen = sinks
+        sink_s, sink_v, sink_pos = sinks
     c = lambda x: x.contiguous()  # noqa: E731
     return WindowAttentionFunction.apply(
         c(q), c(ks), c(vs), c(mk), c(mv), c(sink_s), c(sink_v), c(qpos), c(spos), c(evict), c(last), c(idx),
-        c(counts), c(sink_seen.to(torch.uint8)), int(P0), int(window), float(scale))
+        c(counts), c(sink_pos), int(P0), int(window), float(scale))

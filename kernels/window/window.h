@@ -21,18 +21,18 @@ int aaren_window_prefill(int B, int T, int Hkv, int D, int Wp, int W, int S, int
 int aaren_window_queries(int B, int T, int H, int Hkv, int D, int S, int W, int rot, const float *q,
                          const int64_t *qpos, const float *cos, const float *sin, const float *sink_k,
                          const int64_t *sink_pos, const float *back_cos, const float *back_sin, float *qr,
-                         float *scores, uint8_t *seen);
+                         float *scores);
 int aaren_window_attention_takes(int H, int Hkv, int D);
 int aaren_window_attention(int B, int T, int H, int Hkv, int D, int64_t Ls, int64_t P0, int W, int64_t C, int S,
                            float scale, int threads, const float *q, const int64_t *qpos, const float *ks,
                            const float *vs, const int64_t *spos, const float *mk, const float *mv,
                            const int64_t *evict, const int64_t *last, const float *sink_s, const float *sink_v,
-                           const uint8_t *sink_seen, float *out);
+                           const int64_t *sink_pos, float *out);
 int aaren_window_attention_backward(int B, int T, int H, int Hkv, int D, int64_t Ls, int64_t P0, int W, int64_t C,
                                     int S, float scale, int threads, const float *q, const int64_t *qpos,
                                     const float *ks, const float *vs, const int64_t *spos, const float *mk,
                                     const float *mv, const int64_t *evict, const int64_t *last, const float *sink_s,
-                                    const float *sink_v, const uint8_t *sink_seen, const float *dout, float *dq,
+                                    const float *sink_v, const int64_t *sink_pos, const float *dout, float *dq,
                                     float *dks, float *dvs, float *dmk, float *dmv, float *dsink_s, float *dsink_v);
 
 int aaren_window_step_takes(int H, int Hkv, int D, int rotate);
