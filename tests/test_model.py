@@ -1556,8 +1556,8 @@ def test_a_decode_step_compiled_by_inductor_stores_the_codes_prefill_would():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_float32_product_of_16_bit_inputs_keeps_them_in_16_bits(dtype):
     """The slots' mix and the slot scores (``float32_product``): the values and gradients of the float32 product of
-    16-bit inputs, a broadcast second factor included (the slots' queries), while backward keeps 16-bit tensors
-    only, no float32 copies."""
+    16-bit inputs, a broadcast second factor included (the slots' queries), while backward keeps the first factor
+    in 16 bits, no float32 copy (the second, small one, as its float32 copy: one cast fewer in backward)."""
     gen = torch.Generator().manual_seed(3)
     a = torch.randn(2, 3, 7, 16, generator=gen).to(dtype)
     b = torch.randn(3, 16, 4, generator=gen).to(dtype)
@@ -1565,15 +1565,16 @@ def test_float32_product_of_16_bit_inputs_keeps_them_in_16_bits(dtype):
     results, kept = {}, []
     for name, fn in (("plain", lambda x, y: torch.matmul(x.float(), y.float())), ("ours", modeling.float32_product)):
         x, y = a.clone().requires_grad_(True), b.clone().requires_grad_(True)
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append((name, t.dtype)) or t, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append((name, t.dtype, t.shape)) or t,
+                                                      lambda t: t):
             out = fn(x, y)
         out.backward(grad)
         results[name] = (out, x.grad, y.grad)
     for got, want in zip(results["ours"], results["plain"]):
         assert got.dtype == want.dtype
         torch.testing.assert_close(got, want, atol=0, rtol=0)
-    assert {d for n, d in kept if n == "plain"} == {torch.float32}
-    assert {d for n, d in kept if n == "ours"} == {dtype}
+    assert {d for n, d, _ in kept if n == "plain"} == {torch.float32}
+    assert [(d, shape) for n, d, shape in kept if n == "ours"] == [(dtype, a.shape), (torch.float32, b.shape)]
     assert modeling.float32_product(a.float(), b.float()).equal(torch.matmul(a.float(), b.float()))
 
 
