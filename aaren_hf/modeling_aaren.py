@@ -628,11 +628,15 @@ def _sink_scores(q, qpos, sink_k, window, rotary, attend):
     """Scores [B, T, Hkv, G, S] of queries q [B, T, H, D] (not rotated) at qpos [B, T] against the S sinks, each query
     rotated to c = min(p, S + W - 1) (:func:`window_attention`): <R(c) q, k> = <q, R(-c) k>, so the sink keys are
     turned back by each of the S + W values of c (a few rows), one of them per query, rather than every query rotated
-    a second time."""
+    a second time. The keys are turned in the dtype the scores take where they are stored in it (a 16-bit cache on a
+    GPU): rotation computes in float32 and rounds once, as the float32 turn and its cast did (the same scores and
+    query gradients bit for bit; the sink keys' gradient is rounded to 16 bits before the sum over the S + W copies,
+    not after), without the casts (four operators in a train step, and half the bytes of the copies)."""
     B, T, H, D = q.shape
     S, Hkv, W = sink_k.shape[1], sink_k.shape[2], window
     arange = partial(torch.arange, device=q.device)
-    turned = rotary.turn_back(sink_k.float().unsqueeze(1).expand(B, S + W, S, Hkv, D).reshape(B, S + W, S * Hkv, D))
+    keys = sink_k if sink_k.dtype == attend else sink_k.float()
+    turned = rotary.turn_back(keys.unsqueeze(1).expand(B, S + W, S, Hkv, D).reshape(B, S + W, S * Hkv, D))
     c = qpos.clamp(min=0, max=S + W - 1) + arange(0, B * (S + W), S + W).view(B, 1)
     sink_keys = turned.reshape(B * (S + W), S, Hkv, D).index_select(0, c.flatten()).view(B, T, S, Hkv, D)
     return torch.matmul(q.to(attend).view(B, T, Hkv, H // Hkv, D), sink_keys.to(attend).permute(0, 1, 3, 4, 2))
