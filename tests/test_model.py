@@ -1553,6 +1553,28 @@ def test_a_decode_step_compiled_by_inductor_stores_the_codes_prefill_would():
     torch._dynamo.reset()
 
 
+def test_sink_scores_turn_16_bit_keys_as_float32_turns_rounded():
+    """``_sink_scores`` turns bf16 sink keys back in bf16 (a 16-bit cache on a GPU): the scores and the queries'
+    gradients are the bits of turning float32 copies and casting them, the keys' gradient within bf16 rounding of
+    that (it is rounded before the sum over the copies); with partial rotary, GQA, a query inside the first S + W."""
+    gen = torch.Generator().manual_seed(0)
+    B, T, H, Hkv, D, S, W = 2, 30, 6, 2, 32, 2, 8
+    q = torch.randn(B, T, H, D, generator=gen).bfloat16().requires_grad_()
+    sink_k = (torch.randn(B, S, Hkv, D, generator=gen) * 3).bfloat16().requires_grad_()
+    pos = torch.stack([torch.arange(T), torch.arange(T) + 100])
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, D // 2, 2).float() / (D // 2)))  # rotary on half the channels
+    rotary = modeling.Rotary(pos, inv_freq)
+    got = modeling._sink_scores(q, pos, sink_k, W, rotary, torch.bfloat16)
+    turned = rotary.turn_back(sink_k.float().unsqueeze(1).expand(B, S + W, S, Hkv, D).reshape(B, S + W, S * Hkv, D))
+    c = pos.clamp(max=S + W - 1) + torch.arange(0, B * (S + W), S + W).view(B, 1)
+    keys = turned.reshape(B * (S + W), S, Hkv, D).index_select(0, c.flatten()).view(B, T, S, Hkv, D).bfloat16()
+    want = torch.matmul(q.view(B, T, Hkv, H // Hkv, D), keys.permute(0, 1, 3, 4, 2))
+    assert torch.equal(got, want)
+    grads = [torch.autograd.grad(out.float().square().sum(), [q, sink_k]) for out in (got, want)]
+    assert torch.equal(grads[0][0], grads[1][0])
+    torch.testing.assert_close(grads[0][1], grads[1][1], rtol=1e-2, atol=1e-2 * float(grads[1][1].abs().max()))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_float32_product_of_16_bit_inputs_keeps_them_in_16_bits(dtype):
     """The slots' mix and the slot scores (``float32_product``): the values and gradients of the float32 product of
