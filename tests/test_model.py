@@ -1553,6 +1553,15 @@ def test_a_decode_step_compiled_by_inductor_stores_the_codes_prefill_would():
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_sigmoid_is_the_float32_sigmoid_rounded(dtype):
+    """What ``mix_branches`` relies on to take a 16-bit gate's sigmoid in 16 bits: on every finite and infinite value
+    of the dtype, torch's sigmoid gives the bits of the float32 sigmoid cast to it."""
+    x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+    x = x[~x.isnan()]
+    assert torch.equal(torch.sigmoid(x).view(torch.int16), torch.sigmoid(x.float()).to(dtype).view(torch.int16))
+
+
 def test_sink_scores_turn_16_bit_keys_as_float32_turns_rounded():
     """``_sink_scores`` turns bf16 sink keys back in bf16 (a 16-bit cache on a GPU): the scores and the queries'
     gradients are the bits of turning float32 copies and casting them, the keys' gradient within bf16 rounding of
