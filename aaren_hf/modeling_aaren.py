@@ -1202,10 +1202,11 @@ class AarenMixer(nn.Module):
                 if state is not None:
                     state.aaren_o, state.aaren_lse = final
                 return o, s
-        s = self.slot_scores(k).masked_fill(~mask.unsqueeze(-1), float("-inf"))
+        padding = ~mask.unsqueeze(-1)
+        s = self.slot_scores(k).masked_fill(padding, float("-inf"))
         g = None
         if self.decay != "none":
-            g = self.log_decay_per_token(x).masked_fill(~mask.unsqueeze(-1), 0.0)
+            g = self.log_decay_per_token(x).masked_fill(padding, 0.0)
         mix = None  # [B, T, H, J]: how much each query head reads of its slots
         if J > 1:
             mix = float32_product(q.transpose(1, 2), self.queries.transpose(1, 2)).transpose(1, 2)
