@@ -1053,7 +1053,8 @@ def test_gpu_large_vs_torch():
 def window_inputs(B=2, T=150, H=4, Hkv=2, D=24, P0=5, W=16, C=40, S=2, memory=True, sinks=True, seed=0,
                   dtype=torch.float32, device="cpu"):
     """Random queries, a stream of P0 + T keys (left padding in both rows), C memory candidates with random
-    stretches, S sinks at positions 0 or 1 (the last row's last one empty: -1), which the queries from W on see; the memory's lists as the model builds them (``_memory_lists``)."""
+    stretches, S sinks at positions 0 or 1 (the last row's last one empty: -1), which the queries from W on see;
+    the memory's lists as the model builds them (``_memory_lists``)."""
     from aaren_hf.modeling_aaren import _memory_lists
 
     gen = torch.Generator().manual_seed(seed)

@@ -257,8 +257,9 @@ def window_attention_triton(q, qpos, ks, vs, spos, P0, window, scale, memory=Non
     ``window``: W. ``memory``: None or (keys, values [B, Hkv, C, D], evict [B, Hkv, C], last [T + 1], idx
     [B, NB, Hkv, K] the candidates each block of BQ queries may see, seen ones first, counts [NB] how many of them
     the block needs at most) as ``_memory_blocks`` gives them with Q = BQ. ``sinks``: None or (scores [B, T, H, S],
-    values [B, S, Hkv, D], positions [B, S], -1 where empty: a query at p sees a sink at s <= p - W). Returns [B, T, H, D] in q's dtype; gradients flow to q, ks, vs, the
-    memory's keys and values and the sinks' scores and values.
+    values [B, S, Hkv, D], positions [B, S], -1 where empty: a query at p sees a sink at s <= p - W). Returns
+    [B, T, H, D] in q's dtype; gradients flow to q, ks, vs, the memory's keys and values and the sinks' scores and
+    values.
     """
     B, T, H, D = q.shape
     Hkv = ks.shape[2]
