@@ -1276,13 +1276,15 @@ class AarenMixer(nn.Module):
 
     def sharing(self, shared: Optional[dict], x):
         """How a kernel shares the ranking score (:meth:`ranking_score`): (0, None) not at all; (1, a new float32
-        [B, T, 1] the kernel fills with this layer's best over KV heads, for the caller to leave in ``shared``);
-        (2, the best of layer ``memory_shared_layer``, which this layer ranks by beside its own)."""
+        [B, T, 1], already left in ``shared``, that the kernel fills with this layer's best over KV heads: where the
+        kernel declines, the path that runs instead writes ``shared`` through :meth:`ranking_score`); (2, the best of
+        layer ``memory_shared_layer``, which this layer ranks by beside its own)."""
         L = self.memory_shared_layer
         if self.memory_size == 0 or L is None or shared is None or self.layer_idx < L:
             return 0, None
         if self.layer_idx == L:
-            return 1, x.new_empty(*x.shape[:2], 1, dtype=torch.float32)
+            shared["retention"] = x.new_empty(*x.shape[:2], 1, dtype=torch.float32)
+            return 1, shared["retention"]
         return 2, shared["retention"]
 
     def window_branch(self, q, k, v, pos, state, retention=None, shared: Optional[dict] = None, mix=None):
@@ -1374,8 +1376,6 @@ class AarenMixer(nn.Module):
             out = mixer_prefill_cpu(q, k, v, pos, mask, state, angles=rotary.angles(),
                                     back_angles=rotary.back_angles(B, S + self.window) if S else None,
                                     stored=self.kv_cache_dtype or k.dtype, pool=shared, **args)
-        if out is not None and share == 1:
-            shared["retention"] = shared_retention
         return out
 
     def window_step(self, q, k, v, pos, state, retention=None, shared: Optional[dict] = None, mix=None):
@@ -1395,8 +1395,6 @@ class AarenMixer(nn.Module):
                                     codes and codes.bits, bool(codes and codes.rotate), self.kv_cache_dtype,
                                     self.scale, mix)
             if out is not None:
-                if share[0] == 1:
-                    shared["retention"] = share[1]
                 return out
         if retention is not None:
             retention = self.ranking_score(retention, shared)

@@ -296,8 +296,8 @@ def brute_force_aaren(s, v, g=None, initial_state=None):
 
 def recording(fn, ran: list):
     """fn, appending to ``ran`` whether each call returned a result (a kernel's None: it declined)."""
-    def wrapper(*args):
-        result = fn(*args)
+    def wrapper(*args, **kwargs):
+        result = fn(*args, **kwargs)
         ran.append(result is not None)
         return result
     return wrapper
@@ -314,11 +314,7 @@ def kernel_beside_reference(mixer, x, mask, pos, monkeypatch, name, prompt=3, ro
     from aaren_hf.modeling_aaren import AarenLayerState
 
     kernel, served = getattr(modeling, name), []
-
-    def counted(*args, **kwargs):
-        out = kernel(*args, **kwargs)
-        served.append(out is not None)
-        return out
+    counted = recording(kernel, served)
 
     with_kernel, reference = AarenLayerState(), AarenLayerState()
     starts = [0, prompt, *range(prompt + 1, x.shape[1] + 1)] if pieces is None else [0, *itertools.accumulate(pieces)]

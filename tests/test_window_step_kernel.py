@@ -9,7 +9,7 @@ import torch
 
 import aaren_hf.modeling_aaren as modeling
 from aaren_hf import AarenCache
-from helpers import MIXER_CASES, STEP_CASES, kernel_beside_reference, step_inputs, tiny_model
+from helpers import MIXER_CASES, STEP_CASES, kernel_beside_reference, recording, step_inputs, tiny_model
 
 pytest.importorskip("triton")
 if modeling.fused_window_step is None:
@@ -96,13 +96,8 @@ def test_triton_step_ranks_and_shares_retention_as_the_pytorch_step(monkeypatch)
     with torch.no_grad():
         model.model.layers[0].mixer.retention_proj.weight.mul_(40)
     ids = torch.randint(3, model.config.vocab_size, (2, 22), generator=torch.Generator().manual_seed(4))
-    kernel, served = modeling.fused_window_step, []
-
-    def counted(*args, **kwargs):
-        out = kernel(*args, **kwargs)
-        served.append(out is not None)
-        return out
-
+    served = []
+    counted = recording(modeling.fused_window_step, served)
     runs = {}
     for name, step in (("kernel", counted), ("pytorch", None)):
         monkeypatch.setattr(modeling, "fused_window_step", step)

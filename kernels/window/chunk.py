@@ -46,8 +46,9 @@ def _softmax_step(m, l_sum, s):
 @device_function
 def _query_block(q, qpos, T, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
                  BQ: tl.constexpr):
-    """This program's block of queries: (block, sequence, head, kv head, rows, rows < T, cols, cols < D, real
-    tokens (padding queries see nothing: o = 0), offsets of the rows in [B, T, H], the queries in float32)."""
+    """This program's block of queries: (block, sequence, head, kv head, rows, rows < T, cols, cols < D, their
+    positions (-1 past T), real tokens (padding queries see nothing: o = 0), offsets of the rows in [B, T, H], the
+    queries in float32)."""
     i_q = tl.program_id(0)
     i_bh = tl.program_id(1)
     b = i_bh // H
@@ -57,10 +58,11 @@ def _query_block(q, qpos, T, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr
     m_q = rows < T
     cols = tl.arange(0, BD)
     m_d = cols < D
-    valid = m_q & (tl.load(qpos + b * T + rows, mask=m_q, other=-1) >= 0)
+    qp = tl.load(qpos + b * T + rows, mask=m_q, other=-1)
+    valid = m_q & (qp >= 0)
     row_off = (b.to(tl.int64) * T + rows) * H + h
     b_q = tl.load(q + row_off[:, None] * D + cols[None, :], mask=m_q[:, None] & m_d[None, :], other=0).to(tl.float32)
-    return i_q, b, hk, rows, m_q, cols, m_d, valid, row_off, b_q
+    return i_q, b, hk, rows, m_q, cols, m_d, qp, valid, row_off, b_q
 
 
 @device_function
@@ -87,7 +89,7 @@ def _window_fwd_kernel(
     H: tl.constexpr, HKV: tl.constexpr, S: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BQ: tl.constexpr,
     BK: tl.constexpr, HAS_MEM: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    i_q, b, hk, rows, m_q, cols, m_d, valid, row_off, b_q = _query_block(q, qpos, T, H, HKV, D, BD, BQ)
+    i_q, b, hk, rows, m_q, cols, m_d, qp, valid, row_off, b_q = _query_block(q, qpos, T, H, HKV, D, BD, BQ)
     m_i = tl.full([BQ], float("-inf"), tl.float32)
     l_i = tl.full([BQ], 0.0, tl.float32)
     acc = tl.full([BQ, BD], 0.0, tl.float32)
@@ -120,7 +122,6 @@ def _window_fwd_kernel(
             seen = valid[:, None] & m_k[None, :] & (c[None, :] <= l_q[:, None]) & (l_q[:, None] < ends[None, :])
             m_i, l_i, acc = _attend(b_q, b_k, b_v, seen, m_i, l_i, acc, scale, DOT_PREC)
 
-    qp = tl.load(qpos + b * T + rows, mask=m_q, other=-1)
     for j in range(S):
         sc = tl.load(sink_s + row_off * S + j, mask=m_q, other=0).to(tl.float32) * scale
         sp = tl.load(sink_pos + b.to(tl.int64) * S + j) + 0 * qp  # per row: the interpreter mishandles a scalar
@@ -143,7 +144,7 @@ def _window_bwd_kernel(
     H: tl.constexpr, HKV: tl.constexpr, S: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BQ: tl.constexpr,
     BK: tl.constexpr, HAS_MEM: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    i_q, b, hk, rows, m_q, cols, m_d, valid, row_off, b_q = _query_block(q, qpos, T, H, HKV, D, BD, BQ)
+    i_q, b, hk, rows, m_q, cols, m_d, qp, valid, row_off, b_q = _query_block(q, qpos, T, H, HKV, D, BD, BQ)
     m_qd = m_q[:, None] & m_d[None, :]
     b_do = tl.load(do + row_off[:, None] * D + cols[None, :], mask=m_qd, other=0).to(tl.float32)
     b_lse = tl.load(lse + row_off, mask=m_q, other=0)
@@ -191,7 +192,6 @@ def _window_bwd_kernel(
             tl.atomic_add(dmk + at, tl.dot(tl.trans(ds), b_q, input_precision=DOT_PREC), mask=m_kd)
             tl.atomic_add(dmv + at, tl.dot(tl.trans(p), b_do, input_precision=DOT_PREC), mask=m_kd)
 
-    qp = tl.load(qpos + b * T + rows, mask=m_q, other=-1)
     for j in range(S):
         sc = tl.load(sink_s + row_off * S + j, mask=m_q, other=0).to(tl.float32) * scale
         sp = tl.load(sink_pos + b.to(tl.int64) * S + j) + 0 * qp
