@@ -559,8 +559,12 @@ def _window_attention_fused(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink
         # scores and what each query sees of them) in one C call (kernels/window/chunk.c), equal to rounding
         queries = window_queries_cpu(q, pos, rotary.angles(), sink_k, sink_pos,
                                      rotary.back_angles(B, S + window) if S > 0 else None, window)
+    angles = None
     if queries is None:
-        qr = rotary.rotate(q).to(attend)
+        # the kernels turn the queries as they read them (their backward again): no turned copy is written or kept
+        # for backward, only q, which the slots' mix keeps too. For a float64 q the Triton kernel takes float32: the
+        # same turn, as rotate_by turns in float32.
+        qr, angles = q.to(attend) if in_triton else q, rotary.angles()
         if S > 0:
             sink_s = _sink_scores(q, pos, sink_k, window, rotary, attend).view(B, T, H, S)
     else:
@@ -576,7 +580,7 @@ def _window_attention_fused(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink
             lists += _memory_lists(evict, last, T, nblk, WINDOW_BLOCK, width=size + WINDOW_BLOCK)
     sinks = None if S == 0 else (sink_s, sink_v.to(attend), sink_pos)  # the kernels decide which a query sees
     kernel = fused_window_attention if in_triton else window_attention_cpu
-    out = kernel(qr, pos, ks, vs, spos, k_prev.shape[1], window, scale, lists, sinks)
+    out = kernel(qr, pos, ks, vs, spos, k_prev.shape[1], window, scale, lists, sinks, angles)
     return out.to(q.dtype)
 
 

@@ -14,6 +14,7 @@ import math
 import os
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -928,12 +929,14 @@ for decay, J in ((2, 4), (0, 1)):
                                                  o_state=P, lse_state=P, out=B, s_out=P, scale="fp32"),
         dict(H=9, HKV=3, J=J, BJ=max(2, J), D=64, BD=64, DECAY=decay, MIX=J > 1), num_warps=4, num_stages=1)
 I = "*i64"
-common = dict(q=B, qpos=I, ks=B, vs=B, spos=I, mk=B, mv=B, evict=I, last=I, idx=I, counts=I, sink_s=B, sink_v=B,
-              sink_pos=I, lse=P, T="i32", Ls="i32", P0="i32", W="i32", C="i32", K="i32", NB="i32", scale="fp32")
-c = dict(H=9, HKV=3, S=1, D=64, BD=64, BQ=64, BK=64, HAS_MEM=True, DOT_PREC="tf32")
-aot(window_chunk._window_fwd_kernel, dict(common, o=B), c)
-aot(window_chunk._window_bwd_kernel, dict(common, do=B, o=B, dq=B, dks=P, dvs=P, dmk=P, dmv=P, dsink_s=B,
-                                          dsink_v=P), c)
+common = dict(q=B, qpos=I, cos=P, sin=P, ks=B, vs=B, spos=I, mk=B, mv=B, evict=I, last=I, idx=I, counts=I, sink_s=B,
+              sink_v=B, sink_pos=I, lse=P, T="i32", Ls="i32", P0="i32", W="i32", C="i32", K="i32", NB="i32",
+              scale="fp32")
+for c in (dict(H=9, HKV=3, S=1, D=64, BD=64, BQ=64, BK=64, HAS_MEM=True, DOT_PREC="tf32", ROT=64),
+          dict(H=8, HKV=2, S=0, D=80, BD=128, BQ=64, BK=64, HAS_MEM=False, DOT_PREC="tf32", ROT=0)):
+    aot(window_chunk._window_fwd_kernel, dict(common, o=B), c, enable_fp_fusion=False)
+    aot(window_chunk._window_bwd_kernel, dict(common, do=B, o=B, dq=B, dks=P, dvs=P, dmk=P, dmv=P, dsink_s=B,
+                                              dsink_v=P), c, enable_fp_fusion=False)
 sig = dict(q=B, k=B, v=B, pos=I, cos_t=P, sin_t=P, cos_s=P, sin_s=P, retention=B, shared=P, out=B, aaren_o=B, gate=B,
            gate_b="i32", win_k=B, win_v=B, win_pos=I, win_score=P, sink_k=B, sink_v=B, sink_pos=I, mem_k="*u8",
            mem_v="*u8", mem_k_scale=B, mem_v_scale=B, mem_pos=I, mem_score=P, scale="fp32")
@@ -1081,14 +1084,14 @@ def window_inputs(B=2, T=150, H=4, Hkv=2, D=24, P0=5, W=16, C=40, S=2, memory=Tr
     return x, args, lists, sink
 
 
-def run_window(x, args, memory, sink):
+def run_window(x, args, memory, sink, angles=None):
     from aaren_hf.kernels import fused_window_attention
 
     dev = x["q"].device
     mem = None if memory is None else (x["mk"], x["mv"]) + tuple(t.to(dev) for t in memory)
     sinks = None if sink is None else (x["sink_s"], x["sink_v"], sink.to(dev))
     return fused_window_attention(x["q"], args["qpos"], x["ks"], x["vs"], args["spos"], args["P0"], args["window"],
-                                  args["scale"], mem, sinks)
+                                  args["scale"], mem, sinks, angles)
 
 
 def dense_window(x, args, memory, sink):
@@ -1155,13 +1158,13 @@ def test_window_kernel_16_bit_inputs(dtype):
         assert (a.double() - b).abs().max() <= 2e-2 * (1 + b.abs().max()), name
 
 
-def run_window_cpu(x, args, memory, sink):
+def run_window_cpu(x, args, memory, sink, angles=None):
     from aaren_hf.kernels.window import window_attention_cpu
 
     mem = None if memory is None else (x["mk"], x["mv"], memory[0], memory[1])
     sinks = None if sink is None else (x["sink_s"], x["sink_v"], sink)
     return window_attention_cpu(x["q"], args["qpos"], x["ks"], x["vs"], args["spos"], args["P0"], args["window"],
-                                args["scale"], mem, sinks)
+                                args["scale"], mem, sinks, angles)
 
 
 @pytest.mark.parametrize("memory,sinks,P0,T", [(True, True, 5, 150), (True, False, 0, 64), (False, True, 15, 63),
@@ -1205,6 +1208,40 @@ def test_c_window_kernel_16_bit_inputs(dtype):
     for name, a, b in zip(names, got, want):
         assert a.dtype == dtype and torch.isfinite(a).all(), name
         assert (a.double() - b).abs().max() <= 2e-2 * (1 + b.abs().max()), name
+
+
+@pytest.mark.parametrize("kernel", ["triton", "c"])
+@pytest.mark.parametrize("dtype,D,rot", [(torch.float32, 24, 24), (torch.bfloat16, 24, 16), (torch.float16, 64, 64)])
+def test_window_kernels_turn_the_queries_as_rotate_does(kernel, dtype, D, rot):
+    """With ``angles`` a kernel turns q as it reads it (and again in backward), where the model turned q first and
+    kept the turned copy: the output and every gradient, q's through the turn back, the same bits as the kernel fed
+    ``rotate(q)`` with autograd through it (full and partial rotary, 16-bit queries rounded after the turn, C's
+    float32 inside for 16-bit inputs)."""
+    import aaren_hf.modeling_aaren as modeling
+
+    if kernel == "triton" and not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    run = run_window if kernel == "triton" else run_window_cpu
+    x, args, mem, sink = window_inputs(D=D, dtype=dtype)
+    if run(x, args, mem, sink) is None:
+        pytest.skip("no C compiler")
+    pos = args["qpos"].clamp(min=0) * 997  # large angles
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot))
+    angles = modeling.rotary_angles(pos, inv_freq)
+
+    def turned_first(leaves, args, memory, sink):
+        return run(dict(leaves, q=modeling.rotate(leaves["q"], pos, inv_freq, angles)), args, memory, sink)
+
+    want, names = window_grads(turned_first, x, args, mem, sink)
+    got, _ = window_grads(partial(run, angles=angles), x, args, mem, sink)
+    unturned, _ = window_grads(run, x, args, mem, sink)
+    assert not torch.equal(unturned[0], want[0])  # the angles matter
+    for name, a, b in zip(names, got, want):
+        assert a.dtype == dtype and torch.equal(a, b), name
+    for bad in ((angles[0][:, :-1], angles[1][:, :-1]), (angles[0].double(), angles[1].double()),
+                (angles[0][..., :-1], angles[1][..., :-1])):  # one token short, float64, an odd rot
+        with pytest.raises(ValueError, match="angles: cos and sin"):
+            run(x, args, mem, sink, angles=bad)
 
 
 def test_c_window_kernel_same_bits_on_any_number_of_threads():

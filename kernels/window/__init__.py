@@ -20,7 +20,8 @@ import torch
 
 from ..cbuild import dense, load
 
-__all__ = ["rotate_cpu", "window_attention_cpu", "window_cpu_takes", "window_prefill_cpu", "window_queries_cpu"]
+__all__ = ["checked_angles", "rotate_cpu", "window_attention_cpu", "window_cpu_takes", "window_prefill_cpu",
+           "window_queries_cpu"]
 
 SOURCES = tuple(Path(__file__).parent / name for name in ("chunk.c", "rotate.c", "prefill.c"))
 _ARGS = [ctypes.c_int] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_float,
@@ -142,31 +143,62 @@ def _call(name, shape, tensors, P0, window, scale, *extra):
         raise RuntimeError(f"{name} failed ({rc}) for B={B} T={T} H={H} Hkv={Hkv} D={D} C={C} S={S}")
 
 
-def _forward(q, ks, vs, mk, mv, sink_s, sink_v, indices, shape, P0, window, scale):
+def checked_angles(angles, q):
+    """The window attention kernels' ``angles`` for queries q [B, T, H, D]: (cos, sin) [B, T, 1, rot] float32 with
+    rot even and at most D, contiguous; None stays None. Anything else is the caller's mistake: ValueError."""
+    if angles is None:
+        return None
+    cos, sin = angles
+    B, T, _, D = q.shape
+    rot = cos.shape[-1]
+    if (rot % 2 or rot > D or tuple(cos.shape) != (B, T, 1, rot) or sin.shape != cos.shape
+            or {cos.dtype, sin.dtype} != {torch.float32} or cos.device != q.device or sin.device != q.device):
+        raise ValueError(f"angles: cos and sin [B, T, 1, rot] float32 on the queries' device with rot even and at "
+                         f"most D = {D} (rotary_angles of the queries' positions), for queries {tuple(q.shape)}; got "
+                         f"{tuple(cos.shape)} {cos.dtype} and {tuple(sin.shape)} {sin.dtype}")
+    return dense(cos), dense(sin)
+
+
+def _turned(q, angles, dtype, inverse=False):
+    """Float32 q turned by ``angles`` (cos, sin; None or rot 0: as it is), rounded to ``dtype`` as ``rotate_by``
+    rounds the queries of that dtype; ``inverse``: a gradient turned back, from its ``dtype`` rounding, as
+    ``_Rotate``'s backward turns it."""
+    if angles is None or angles[0].shape[-1] == 0:
+        return q
+    return rotate_cpu(q.to(dtype).float() if inverse else q, *angles, inverse).to(dtype).float()
+
+
+def _forward(q, ks, vs, mk, mv, sink_s, sink_v, indices, angles, shape, P0, window, scale, dtype):
     qpos, spos, evict, last, sink_pos = indices
     out = torch.empty(q.shape)
-    _call("aaren_window_attention", shape, (q, qpos, ks, vs, spos, mk, mv, evict, last, sink_s, sink_v, sink_pos), P0,
-          window, scale, out)
+    _call("aaren_window_attention", shape, (_turned(q, angles, dtype), qpos, ks, vs, spos, mk, mv, evict, last, sink_s,
+                                            sink_v, sink_pos), P0, window, scale, out)
     return out
 
 
 class _WindowAttention(torch.autograd.Function):
+    """Keeps q as it came, not its turned copy (turned again for the backward: one pass over q)."""
+
     @staticmethod
-    def forward(ctx, q, ks, vs, mk, mv, sink_s, sink_v, indices, shape, P0, window, scale):
-        out = _forward(q, ks, vs, mk, mv, sink_s, sink_v, indices, shape, P0, window, scale)  # indices: no gradients
-        ctx.save_for_backward(q, ks, vs, mk, mv, sink_s, sink_v, *indices)
+    def forward(ctx, q, ks, vs, mk, mv, sink_s, sink_v, indices, angles, shape, P0, window, scale, dtype):
+        # indices and angles: no gradients
+        out = _forward(q, ks, vs, mk, mv, sink_s, sink_v, indices, angles, shape, P0, window, scale, dtype)
+        ctx.save_for_backward(q, ks, vs, mk, mv, sink_s, sink_v, *indices, *(angles or ()))
         ctx.args = (shape, P0, window, scale)
+        ctx.dtype = dtype
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, ks, vs, mk, mv, sink_s, sink_v, qpos, spos, evict, last, sink_pos = ctx.saved_tensors
+        q, ks, vs, mk, mv, sink_s, sink_v, qpos, spos, evict, last, sink_pos, *angles = ctx.saved_tensors
+        angles = tuple(angles) or None
         grads = [torch.empty(q.shape), torch.zeros(ks.shape), torch.zeros(vs.shape), torch.zeros(mk.shape),
                  torch.zeros(mv.shape), torch.empty(sink_s.shape), torch.zeros(sink_v.shape)]
-        _call("aaren_window_attention_backward", ctx.args[0], (q, qpos, ks, vs, spos, mk, mv, evict, last, sink_s,
-                                                              sink_v, sink_pos), *ctx.args[1:], dense(dout.float()),
-              *grads)
-        return (*grads, None, None, None, None, None)
+        _call("aaren_window_attention_backward", ctx.args[0], (_turned(q, angles, ctx.dtype), qpos, ks, vs, spos, mk,
+                                                              mv, evict, last, sink_s, sink_v, sink_pos),
+              *ctx.args[1:], dense(dout.float()), *grads)
+        grads[0] = _turned(grads[0], angles, ctx.dtype, inverse=True)
+        return (*grads, None, None, None, None, None, None, None)
 
 
 def window_cpu_takes(q, k, v) -> bool:
@@ -178,9 +210,10 @@ def window_cpu_takes(q, k, v) -> bool:
     return bool(_library().aaren_window_attention_takes(q.shape[2], k.shape[2], q.shape[3]))
 
 
-def window_attention_cpu(q, qpos, ks, vs, spos, P0, window, scale, memory=None, sinks=None):
+def window_attention_cpu(q, qpos, ks, vs, spos, P0, window, scale, memory=None, sinks=None, angles=None):
     """``window_attention_triton``'s arguments and results (``chunk.py``), to float rounding, in C, forward and
-    backward (float32 inside; results and gradients in the inputs' dtypes); ``memory`` without the block lists:
+    backward (float32 inside; results and gradients in the inputs' dtypes; ``angles`` turn q in one C pass, which the
+    backward runs again rather than keep the turned copy); ``memory`` without the block lists:
     (keys, values [B, Hkv, C, D], evict [B, Hkv, C], last [T + 1]). None where it does not apply: not on a CPU,
     float64, a head width or grouping it does not take, no compiler (then the caller runs the reference). Runs on
     torch.get_num_threads() threads, as PyTorch's operators would."""
@@ -203,5 +236,7 @@ def window_attention_cpu(q, qpos, ks, vs, spos, P0, window, scale, memory=None, 
     inputs = (f32(q), f32(ks), f32(vs), f32(mk), f32(mv), f32(sink_s), f32(sink_v))
     # autograd's Function only where a gradient is wanted: it costs more than the call at a short prompt
     wanted = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
-    out = (_WindowAttention.apply if wanted else _forward)(*inputs, indices, shape, int(P0), int(window), float(scale))
+    angles = checked_angles(angles, q)
+    out = (_WindowAttention.apply if wanted else _forward)(*inputs, indices, angles, shape, int(P0), int(window),
+                                                           float(scale), q.dtype)
     return out.to(q.dtype)

@@ -14,7 +14,8 @@ at most M + BQ), and decides what each query sees from positions and indices as 
               to another position for it) and whether query i sees it
 
 Online softmax in float32 (scores, running max and sum, output); what is saved for backward is the inputs, o and
-the per-row log-sum-exp. The backward recomputes the probabilities from the lse, writes dq per program and adds dk
+the per-row log-sum-exp. The queries may come as they were projected, with their rotary angles: each program turns
+its block as it reads it, so no turned copy is written, nor kept for training (a layer's largest input). The backward recomputes the probabilities from the lse, writes dq per program and adds dk
 and dv of the keys it read with float32 atomics (a key is read by up to two blocks of the window and by every block
 of its memory stretch, for each of the G query heads of its kv head).
 
@@ -29,6 +30,8 @@ import triton.language as tl
 from .. import WINDOW_BLOCK as BQ  # queries per program; the memory's candidate lists are per block of BQ queries
 from ..aaren.chunk import _ADD, _MAX, _dot_precision, device_function, get_kernel
 from ..memory.codes import _cast
+from . import checked_angles
+from .rotate import _rotated, rotate_triton
 BK = 64  # keys per tile
 
 
@@ -44,11 +47,11 @@ def _softmax_step(m, l_sum, s):
 
 
 @device_function
-def _query_block(q, qpos, T, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-                 BQ: tl.constexpr):
+def _query_block(q, qpos, cos, sin, T, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                 BQ: tl.constexpr, ROT: tl.constexpr):
     """This program's block of queries: (block, sequence, head, kv head, rows, rows < T, cols, cols < D, their
     positions (-1 past T), real tokens (padding queries see nothing: o = 0), offsets of the rows in [B, T, H], the
-    queries in float32)."""
+    queries in float32, turned by the angles cos, sin [B, T, ROT] where ROT > 0)."""
     i_q = tl.program_id(0)
     i_bh = tl.program_id(1)
     b = i_bh // H
@@ -61,7 +64,16 @@ def _query_block(q, qpos, T, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr
     qp = tl.load(qpos + b * T + rows, mask=m_q, other=-1)
     valid = m_q & (qp >= 0)
     row_off = (b.to(tl.int64) * T + rows) * H + h
-    b_q = tl.load(q + row_off[:, None] * D + cols[None, :], mask=m_q[:, None] & m_d[None, :], other=0).to(tl.float32)
+    if ROT > 0:  # rounded to q's dtype, as rotate_by rounds: the turned queries are never stored
+        angle = (b.to(tl.int64) * T + rows)[:, None] * ROT + cols[None, :]
+        m_a = m_q[:, None] & (cols[None, :] < ROT)
+        c = tl.load(cos + angle, mask=m_a, other=1.0)
+        s = tl.load(sin + angle, mask=m_a, other=0.0)
+        b_q = _rotated(q, row_off[:, None] * D, m_q[:, None], cols[None, :], c, s, D, ROT)
+        b_q = _cast(b_q, q.dtype.element_ty).to(tl.float32)
+    else:
+        b_q = tl.load(q + row_off[:, None] * D + cols[None, :], mask=m_q[:, None] & m_d[None, :], other=0)
+        b_q = b_q.to(tl.float32)
     return i_q, b, hk, rows, m_q, cols, m_d, qp, valid, row_off, b_q
 
 
@@ -84,12 +96,13 @@ def _attend_backward(b_q, b_do, b_k, b_v, seen, b_lse, b_delta, scale, DOT_PREC:
 
 
 def _window_fwd_kernel(
-    q, qpos, ks, vs, spos, mk, mv, evict, last, idx, counts, sink_s, sink_v, sink_pos, o, lse,
+    q, qpos, cos, sin, ks, vs, spos, mk, mv, evict, last, idx, counts, sink_s, sink_v, sink_pos, o, lse,
     T, Ls, P0, W, C, K, NB, scale,
     H: tl.constexpr, HKV: tl.constexpr, S: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BQ: tl.constexpr,
-    BK: tl.constexpr, HAS_MEM: tl.constexpr, DOT_PREC: tl.constexpr,
+    BK: tl.constexpr, HAS_MEM: tl.constexpr, DOT_PREC: tl.constexpr, ROT: tl.constexpr,
 ):
-    i_q, b, hk, rows, m_q, cols, m_d, qp, valid, row_off, b_q = _query_block(q, qpos, T, H, HKV, D, BD, BQ)
+    i_q, b, hk, rows, m_q, cols, m_d, qp, valid, row_off, b_q = _query_block(q, qpos, cos, sin, T, H, HKV, D, BD,
+                                                                              BQ, ROT)
     m_i = tl.full([BQ], float("-inf"), tl.float32)
     l_i = tl.full([BQ], 0.0, tl.float32)
     acc = tl.full([BQ, BD], 0.0, tl.float32)
@@ -138,13 +151,14 @@ def _window_fwd_kernel(
 
 
 def _window_bwd_kernel(
-    q, qpos, ks, vs, spos, mk, mv, evict, last, idx, counts, sink_s, sink_v, sink_pos, lse, do, o,
+    q, qpos, cos, sin, ks, vs, spos, mk, mv, evict, last, idx, counts, sink_s, sink_v, sink_pos, lse, do, o,
     dq, dks, dvs, dmk, dmv, dsink_s, dsink_v,
     T, Ls, P0, W, C, K, NB, scale,
     H: tl.constexpr, HKV: tl.constexpr, S: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BQ: tl.constexpr,
-    BK: tl.constexpr, HAS_MEM: tl.constexpr, DOT_PREC: tl.constexpr,
+    BK: tl.constexpr, HAS_MEM: tl.constexpr, DOT_PREC: tl.constexpr, ROT: tl.constexpr,
 ):
-    i_q, b, hk, rows, m_q, cols, m_d, qp, valid, row_off, b_q = _query_block(q, qpos, T, H, HKV, D, BD, BQ)
+    i_q, b, hk, rows, m_q, cols, m_d, qp, valid, row_off, b_q = _query_block(q, qpos, cos, sin, T, H, HKV, D, BD,
+                                                                              BQ, ROT)
     m_qd = m_q[:, None] & m_d[None, :]
     b_do = tl.load(do + row_off[:, None] * D + cols[None, :], mask=m_qd, other=0).to(tl.float32)
     b_lse = tl.load(lse + row_off, mask=m_q, other=0)
@@ -208,8 +222,8 @@ def _window_bwd_kernel(
 
 class WindowAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, ks, vs, mk, mv, sink_s, sink_v, qpos, spos, evict, last, idx, counts, sink_pos, P0, W,
-                scale):
+    def forward(ctx, q, ks, vs, mk, mv, sink_s, sink_v, qpos, spos, evict, last, idx, counts, sink_pos, cos, sin,
+                P0, W, scale):
         B, T, H, D = q.shape
         Ls, Hkv, S = ks.shape[1], ks.shape[2], sink_v.shape[1]
         C, NB, K = mk.shape[2], idx.shape[1], idx.shape[3]
@@ -217,18 +231,21 @@ class WindowAttentionFunction(torch.autograd.Function):
         lse = torch.empty(B, T, H, device=q.device, dtype=torch.float32)
         args = (T, Ls, P0, W, C, K, NB, scale)
         meta = dict(H=H, HKV=Hkv, S=S, D=D, BD=triton.next_power_of_2(max(D, 16)), BQ=BQ, BK=BK,
-                    HAS_MEM=C > 0, DOT_PREC=_dot_precision(q))
+                    HAS_MEM=C > 0, DOT_PREC=_dot_precision(q), ROT=cos.shape[-1])
         grid = (triton.cdiv(T, BQ), B * H)
-        get_kernel(_window_fwd_kernel, key=("D", "HAS_MEM"))[grid](
-            q, qpos, ks, vs, spos, mk, mv, evict, last, idx, counts, sink_s, sink_v, sink_pos, o, lse, *args, **meta)
-        ctx.save_for_backward(q, ks, vs, mk, mv, sink_s, sink_v, qpos, spos, evict, last, idx, counts, sink_pos, o,
-                              lse)
+        # no float contraction: the queries' turn rounds as rotate_by's (an fma would round once less)
+        get_kernel(_window_fwd_kernel, key=("D", "HAS_MEM", "ROT"))[grid](
+            q, qpos, cos, sin, ks, vs, spos, mk, mv, evict, last, idx, counts, sink_s, sink_v, sink_pos, o, lse, *args,
+            **meta, enable_fp_fusion=False)
+        ctx.save_for_backward(q, ks, vs, mk, mv, sink_s, sink_v, qpos, spos, evict, last, idx, counts, sink_pos, cos,
+                              sin, o, lse)
         ctx.args, ctx.meta, ctx.grid = args, meta, grid
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, ks, vs, mk, mv, sink_s, sink_v, qpos, spos, evict, last, idx, counts, sink_pos, o, lse = ctx.saved_tensors
+        (q, ks, vs, mk, mv, sink_s, sink_v, qpos, spos, evict, last, idx, counts, sink_pos, cos, sin, o,
+         lse) = ctx.saved_tensors
         do = do.contiguous()
         # dq and the sinks' score gradients are written once, in their inputs' dtype; the kernel adds into the
         # others (atomics, float32), which share one buffer: one fill, and one cast back where their dtypes agree
@@ -239,22 +256,26 @@ class WindowAttentionFunction(torch.autograd.Function):
         dks, dvs, dmk, dmv, dsink_v = (part.view(t.shape) for part, t in zip(flat.split(sizes), added))
         # one config: autotuning would launch it several times, and its atomics would add up over the runs; 8 warps
         # hold its tiles (q, dO, dq, k, v, scores, their gradients: 64 x 64 each) in registers
-        get_kernel(_window_bwd_kernel, key=("D", "HAS_MEM"), warps=(8,), stages=(2,))[ctx.grid](
-            q, qpos, ks, vs, spos, mk, mv, evict, last, idx, counts, sink_s, sink_v, sink_pos, lse, do, o,
-            dq, dks, dvs, dmk, dmv, dsink_s, dsink_v, *ctx.args, **ctx.meta)
+        get_kernel(_window_bwd_kernel, key=("D", "HAS_MEM", "ROT"), warps=(8,), stages=(2,))[ctx.grid](
+            q, qpos, cos, sin, ks, vs, spos, mk, mv, evict, last, idx, counts, sink_s, sink_v, sink_pos, lse, do, o,
+            dq, dks, dvs, dmk, dmv, dsink_s, dsink_v, *ctx.args, **ctx.meta, enable_fp_fusion=False)
+        if ctx.meta["ROT"]:  # dq is the turned queries' gradient: turned back, as _Rotate's backward turns it
+            dq = rotate_triton(dq, cos, sin, inverse=True)
         dtypes = {t.dtype for t in added}
         if len(dtypes) == 1:
             flat = flat.to(dtypes.pop())
         dks, dvs, dmk, dmv, dsink_v = (part.view(t.shape).to(t.dtype) for part, t in zip(flat.split(sizes), added))
-        return (dq, dks, dvs, dmk, dmv, dsink_s, dsink_v) + (None,) * 10
+        return (dq, dks, dvs, dmk, dmv, dsink_s, dsink_v) + (None,) * 12
 
 
-def window_attention_triton(q, qpos, ks, vs, spos, P0, window, scale, memory=None, sinks=None):
+def window_attention_triton(q, qpos, ks, vs, spos, P0, window, scale, memory=None, sinks=None, angles=None):
     """Softmax attention of each query over its window, the memory candidates it sees and the sinks it sees.
 
-    q [B, T, H, D] rotated at its position, qpos [B, T] (-1: padding, whose output is 0); ks, vs [B, Ls, Hkv, D] the
-    stream (the window entries held, then this call's T tokens: query i is stream row P0 + i), spos [B, Ls];
-    ``window``: W. ``memory``: None or (keys, values [B, Hkv, C, D], evict [B, Hkv, C], last [T + 1], idx
+    q [B, T, H, D] rotated at its position, or with ``angles`` (cos, sin [B, T, 1, rot] float32, as ``rotary_angles``
+    gives them) turned by them as the kernel reads it (``rotate_by``'s bits: float32, rounded to q's dtype; training
+    keeps q, not a turned copy, and q's gradient comes back turned back); qpos [B, T] (-1: padding, whose output is
+    0); ks, vs [B, Ls, Hkv, D] the stream (the window entries held, then this call's T tokens: query i is stream row
+    P0 + i), spos [B, Ls]; ``window``: W. ``memory``: None or (keys, values [B, Hkv, C, D], evict [B, Hkv, C], last [T + 1], idx
     [B, NB, Hkv, K] the candidates each block of BQ queries may see, seen ones first, counts [NB] how many of them
     the block needs at most) as ``_memory_blocks`` gives them with Q = BQ. ``sinks``: None or (scores [B, T, H, S],
     values [B, S, Hkv, D], positions [B, S], -1 where empty: a query at p sees a sink at s <= p - W). Returns
@@ -277,7 +298,8 @@ def window_attention_triton(q, qpos, ks, vs, spos, P0, window, scale, memory=Non
         sink_pos = torch.zeros(B, 0, dtype=torch.long, device=dev)
     else:
         sink_s, sink_v, sink_pos = sinks
+    cos, sin = checked_angles(angles, q) or (torch.zeros(B, T, 1, 0, device=dev),) * 2
     c = lambda x: x.contiguous()  # noqa: E731
     return WindowAttentionFunction.apply(
         c(q), c(ks), c(vs), c(mk), c(mv), c(sink_s), c(sink_v), c(qpos), c(spos), c(evict), c(last), c(idx),
-        c(counts), c(sink_pos), int(P0), int(window), float(scale))
+        c(counts), c(sink_pos), cos, sin, int(P0), int(window), float(scale))

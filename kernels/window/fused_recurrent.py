@@ -33,20 +33,7 @@ from ..aaren.chunk import _ADD, _MAX, _MIN, device_function, get_kernel
 from ..memory.codes import _butterflies, _cast, _codes, _store_codes
 from ..state import writable
 from .chunk import _softmax_step
-
-
-@device_function
-def _rotated(x, at, rows, cols, cos, sin, D: tl.constexpr, ROT: tl.constexpr):
-    """Float32 rows x[at + cols] rotated (rotate-half rotary on the first ROT channels; as ``rotate_by``:
-    x * cos + rotate_half(x) * sin); ``at`` [R, 1] row offsets, ``rows`` [R, 1] which of them to read, ``cols``
-    [1, BD], cos and sin [1, BD]."""
-    half: tl.constexpr = ROT // 2
-    m_d = rows & (cols < D)
-    v = tl.load(x + at + cols, mask=m_d, other=0).to(tl.float32)
-    partner = tl.load(x + at + tl.where(cols < half, cols + half, cols - half), mask=m_d & (cols < ROT), other=0)
-    partner = partner.to(tl.float32)
-    partner = tl.where(cols < half, -partner, partner)
-    return tl.where(cols < ROT, v * cos + partner * sin, v)
+from .rotate import _rotated
 
 
 @device_function

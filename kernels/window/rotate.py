@@ -5,18 +5,31 @@ channels, a negation, a concatenation, two products, a sum, the cast back, the c
 as they are), each a launch and a pass over the tensor; a prefill turns the queries, the keys and the sink keys, and
 training turns each gradient back again. Here one launch reads x once and writes the result once.
 
-The same bits as the reference: the rotation of the decode step's kernel (``_rotated``, fused_recurrent.py) in
-float32, two rounded products and their rounded sum (float contraction off: an fma would round otherwise), then
-the cast to x's dtype as ``.to()`` rounds.
+The same bits as the reference: ``_rotated`` below (which the decode step's kernel and the window attention kernels
+turn their keys and queries with as they read them) in float32, two rounded products and their rounded sum (float
+contraction off: an fma would round otherwise), then the cast to x's dtype as ``.to()`` rounds.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from ..aaren.chunk import get_kernel
+from ..aaren.chunk import device_function, get_kernel
 from ..memory.codes import _cast
-from .fused_recurrent import _rotated
+
+
+@device_function
+def _rotated(x, at, rows, cols, cos, sin, D: tl.constexpr, ROT: tl.constexpr):
+    """Float32 rows x[at + cols] rotated (rotate-half rotary on the first ROT channels; as ``rotate_by``:
+    x * cos + rotate_half(x) * sin); ``at`` [R, 1] row offsets, ``rows`` [R, 1] which of them to read, ``cols``
+    [1, BD], cos and sin [1, BD]."""
+    half: tl.constexpr = ROT // 2
+    m_d = rows & (cols < D)
+    v = tl.load(x + at + cols, mask=m_d, other=0).to(tl.float32)
+    partner = tl.load(x + at + tl.where(cols < half, cols + half, cols - half), mask=m_d & (cols < ROT), other=0)
+    partner = partner.to(tl.float32)
+    partner = tl.where(cols < half, -partner, partner)
+    return tl.where(cols < ROT, v * cos + partner * sin, v)
 
 
 def _rotate_kernel(x, cos, sin, out, NH, T, stride_b, stride_t, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
