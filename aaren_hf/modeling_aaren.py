@@ -34,8 +34,8 @@ try:  # Triton kernels on CUDA and the C kernels on CPUs, when this package is i
     # file serves everywhere else (a checkpoint's own copy of it: nothing else to install)
     from aaren_hf.kernels import (WINDOW_BLOCK, chunk_aaren, fused_aaren_step, fused_chunk_aaren_mixed,
                                   fused_keep_memory, fused_memory_evict, fused_memory_lists, fused_memory_round,
-                                  fused_next_window, fused_recurrent_aaren, fused_rotate, fused_sinks,
-                                  fused_window_attention, fused_window_step, select_backend)
+                                  fused_next_window, fused_recurrent_aaren, fused_rotate, fused_round_retention,
+                                  fused_sinks, fused_window_attention, fused_window_step, select_backend)
     from aaren_hf.kernels.aaren import aaren_prefill_cpu
     from aaren_hf.kernels.memory import memory_evict_cpu, memory_prefill_cpu, memory_round_cpu
     from aaren_hf.kernels.mixer import mixer_prefill_cpu, mixer_step_cpu
@@ -48,7 +48,7 @@ except ImportError:
     rotate_cpu = window_attention_cpu = window_queries_cpu = None
     fused_aaren_step = fused_chunk_aaren_mixed = fused_keep_memory = fused_memory_evict = fused_memory_lists = None
     fused_memory_round = None
-    fused_next_window = fused_rotate = fused_sinks = fused_window_attention = None
+    fused_next_window = fused_rotate = fused_round_retention = fused_sinks = fused_window_attention = None
     fused_window_step = window_cpu_takes = window_prefill_cpu = None
 
 
@@ -877,7 +877,12 @@ def mix_branches(o_win: torch.Tensor, mix=None) -> torch.Tensor:
 def round_retention(score: torch.Tensor) -> torch.Tensor:
     """Retention scores on a grid of 1/64 (see ``AarenMixer.retention_score``). A NaN score (a broken model's) ranks
     as -inf: comparisons with NaN are false, so each ranking (sweep, heap, decode step) would otherwise treat it
-    its own way, and the parallel pass and decoding would keep different tokens."""
+    its own way, and the parallel pass and decoding would keep different tokens. On a GPU one Triton launch
+    (``fused_round_retention``, kernels/memory/evict.py), the same bits; this code is its reference."""
+    if takes_triton(fused_round_retention, score):
+        rounded = fused_round_retention(score)
+        if rounded is not None:
+            return rounded
     inf = float("inf")
     return torch.round(torch.nan_to_num(score.float(), nan=-inf, posinf=inf, neginf=-inf) * 64) / 64
 

@@ -6,7 +6,8 @@ device) and its decode step in Triton (``window/fused_recurrent.py``, ``fused_wi
 ``aaren_scan.chunk_aaren_mixed``, likewise) and the Aaren branch's decode step (``fused_aaren_step``; reference:
 ``AarenMixer.aaren_output``, likewise); the memory's codes in Triton (``memory/codes.py``, ``fused_memory_round``;
 reference: ``MemoryCodes.round_with_codes``, likewise) and its ranking sweep's blocks (``memory/evict.py``,
-``fused_memory_evict``; reference: the loop of ``_evict_sweep``, likewise) and each block's list of candidates for
+``fused_memory_evict``; reference: the loop of ``_evict_sweep``, likewise; and the grid it ranks on,
+``fused_round_retention``; reference: ``round_retention``, likewise) and each block's list of candidates for
 window attention (``memory/lists.py``, ``fused_memory_lists``; reference: ``_memory_lists``, likewise) and the slots a
 prefill piece leaves (``memory/keep.py``, ``fused_keep_memory``; reference: ``AarenMixer.keep_memory``); rotary
 embedding in one launch (``window/rotate.py``, ``fused_rotate``; reference: ``rotate_by``, likewise); what a piece of
@@ -169,6 +170,14 @@ def fused_memory_evict(rank, top, evict, e_first, block, upto, memory_size):
     from .memory.evict import memory_evict_triton
 
     return memory_evict_triton(rank, top, evict, e_first, block, upto, memory_size)
+
+
+def fused_round_retention(score):
+    """``round_retention`` (modeling_aaren.py) in one Triton launch (``memory/evict.py``), the same bits; None where it
+    does not take the input. Callers check ``select_backend(score) == "triton"`` first."""
+    from .memory.evict import round_retention_triton
+
+    return round_retention_triton(score)
 
 
 def fused_rotate(x, cos, sin, inverse=False):

@@ -950,6 +950,8 @@ for consts, mem in ((c, "*u8"), (dict(c, D=128, BD=128, LOG_BD=7, G=4, H=12, BIT
 for bits, codes in ((4, "*u8"), (8, "*i8")):
     aot(memory_codes._round_kernel, dict(x=P, back=P, codes=codes, scale=B, N="i64"),
         dict(D=64, LOG_D=6, BITS=bits, ROTATE=bits == 4, BN=64), num_warps=4, num_stages=1)
+aot(memory_evict._grid_kernel, dict(x=B, y=P, N="i32"), dict(BN=1024), num_warps=4, num_stages=1,
+    enable_fp_fusion=False)
 aot(memory_evict._evict_block_kernel, dict(rank=I, top=I, evict=I, C="i32", K="i32", n="i32", e_first="i32",
                                            block="i32", upto="i32", M="i32"), dict(BP=512, XB=32, DB=64))
 aot(window_carry._sinks_fwd_kernel, dict(k=B, v=B, pos=I, old_k=B, old_v=B, old_pos=I, new_k=B, new_v=B, new_pos=I,

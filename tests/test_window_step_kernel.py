@@ -119,19 +119,18 @@ def test_triton_step_ranks_and_shares_retention_as_the_pytorch_step(monkeypatch)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in multiply:RuntimeWarning")  # 3e38 * 64 in the interpreter
-def test_the_kernels_grid_is_round_retention(monkeypatch):
-    """The step kernel's ranking grid (``_on_grid``) is ``round_retention`` bit for bit: ties (k + 1/2) / 64 to
-    even either side of zero, scores near 2^16 and 2^17 (whose multiples of 64 lie near 2^22 and 2^23, where the
-    float32 spacing reaches 1/2 and 1), the largest floats, infinities, NaN, zeros and tiny scores of either sign
-    (which round to zeros of their sign)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernels_grid_is_round_retention(monkeypatch, dtype):
+    """The kernels' ranking grid (``_on_grid``: the step kernel's, and ``fused_round_retention``'s, by which a
+    prefill or a train step rounds its scores on a GPU) is ``round_retention``'s PyTorch code bit for bit: ties
+    (k + 1/2) / 64 to even either side of zero, scores near 2^16 and 2^17 (whose multiples of 64 lie near 2^22 and
+    2^23, where the float32 spacing reaches 1/2 and 1), the largest floats, infinities, NaN, zeros and tiny scores of
+    either sign (which round to zeros of their sign); float32 scores and bf16 ones (a learned rule's projection)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    import triton
-    import triton.language as tl
+    from aaren_hf.kernels import fused_round_retention
+    from aaren_hf.kernels.memory.evict import _on_grid
 
-    @triton.jit
-    def grid_kernel(x, y, N: tl.constexpr):
-        i = tl.arange(0, N)
-        tl.store(y + i, step_kernel._on_grid(tl.load(x + i)))
+    assert step_kernel._on_grid is _on_grid  # one grid for both kernels
 
     halves = (torch.arange(-40, 40) + 0.5) / 64
     near = torch.tensor([2.0 ** 22 - 1.5, 2.0 ** 22 - 0.5, 2.0 ** 22 + 0.5, 2.0 ** 22 + 1.5, 2.0 ** 23 - 1.5,
@@ -140,7 +139,10 @@ def test_the_kernels_grid_is_round_retention(monkeypatch):
     edges = torch.tensor([65535.99, 65536.01, 131071.99, 131072.01, -65536.01, 2.0 ** 20 + 0.5 / 64, 3e38, -3e38,
                           float("inf"), float("-inf"), float("nan"), 1e-30, -1e-30, 0.0, -0.0, 0.5 / 64, -0.5 / 64])
     edges = torch.cat([near, edges])
-    x = torch.cat([halves, edges, torch.randn(512 - 80 - len(edges), generator=torch.Generator().manual_seed(0))])
-    y = torch.empty_like(x)
-    grid_kernel[(1,)](x, y, N=512)
-    assert torch.equal(y.view(torch.int32), modeling.round_retention(x).view(torch.int32))
+    x = torch.cat([halves, edges, torch.randn(1500, generator=torch.Generator().manual_seed(0))]).to(dtype)
+    x = x.view(3, -1)  # more than one program's block of 1,024
+    y = fused_round_retention(x)
+    monkeypatch.setattr(modeling, "fused_round_retention", None)
+    want = modeling.round_retention(x)
+    assert y.dtype == want.dtype == torch.float32 and y.shape == x.shape
+    assert torch.equal(y.view(torch.int32), want.view(torch.int32))

@@ -10,12 +10,16 @@ program (block, row) finds where the members of its top set and of its block dro
 The reference builds [blocks, M + block, M + block] comparisons and their running sums (a gigabyte at a 32K-token
 piece) in about twenty operators; here they stay in registers, one launch. Each candidate drops out in one block
 at most, so no two programs write one entry: the same indices as the reference, exactly.
+
+The scores it ranks lie on a grid of 1/64 (``round_retention``; here ``_on_grid``, the same bits, which the decode
+step's kernel ranks on too, and ``round_retention_triton``, one launch for a prefill's or a train step's scores).
 """
 
+import torch
 import triton
 import triton.language as tl
 
-from ..aaren.chunk import _ADD, get_kernel
+from ..aaren.chunk import _ADD, device_function, get_kernel
 
 DB = 64  # top-set members compared at a time
 TILE = 16384  # running sums held at once, [candidates, block]: 32 candidates at M = 448, fewer for a larger M
@@ -60,3 +64,34 @@ def memory_evict_triton(rank, top, evict, e_first: int, block: int, upto: int, M
     get_kernel(_evict_block_kernel, key=("BP",))[(n, B * Hkv)](
         rank, top, evict, C, K, n, e_first, block, upto, M, BP=BP, XB=max(2, min(32, TILE // BP)), DB=DB)
     return evict
+
+
+@device_function
+def _on_grid(score):
+    """``round_retention``: float32 scores on a grid of 1/64, NaN as -inf; the rounding half to even, as torch.round
+    (adding 2^23 to a magnitude below it leaves the nearest whole number, ties to even; from 2^23 on every float is
+    whole), zeros and the scores that round to zero keeping their sign."""
+    y = tl.where(score != score, float("-inf"), score) * 64
+    a = tl.abs(y)
+    a = tl.where(a < 8388608.0, (a + 8388608.0) - 8388608.0, a)
+    return tl.where(y == 0, y, tl.where(y < 0, -a, a)) / 64
+
+
+def _grid_kernel(x, y, N, BN: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
+    tl.store(y + i, _on_grid(tl.load(x + i, mask=i < N, other=0).to(tl.float32)), mask=i < N)
+
+
+def round_retention_triton(score):
+    """``round_retention`` (modeling_aaren.py) in one launch, the same bits (the decode step's kernel ranks on the
+    same grid, ``_on_grid``): float32 scores on a grid of 1/64 of a float score of any shape, where the reference
+    runs five operators (the cast, NaN, the product, the rounding, the quotient)."""
+    if score.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return None
+    x = score.contiguous()
+    y = torch.empty(score.shape, dtype=torch.float32, device=score.device)
+    N, BN = x.numel(), 1024
+    if N:
+        get_kernel(_grid_kernel, key=("BN",), warps=(4,), stages=(1,))[(triton.cdiv(N, BN),)](
+            x, y, N, BN=BN, enable_fp_fusion=False)
+    return y

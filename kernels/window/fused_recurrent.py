@@ -31,20 +31,10 @@ import triton.language as tl
 
 from ..aaren.chunk import _ADD, _MAX, _MIN, device_function, get_kernel
 from ..memory.codes import _butterflies, _cast, _codes, _store_codes
+from ..memory.evict import _on_grid
 from ..state import writable
 from .chunk import _softmax_step
 from .rotate import _rotated
-
-
-@device_function
-def _on_grid(score):
-    """``round_retention``: float32 scores on a grid of 1/64, NaN as -inf; the rounding half to even, as torch.round
-    (adding 2^23 to a magnitude below it leaves the nearest whole number, ties to even; from 2^23 on every float is
-    whole), zeros and the scores that round to zero keeping their sign."""
-    y = tl.where(score != score, float("-inf"), score) * 64
-    a = tl.abs(y)
-    a = tl.where(a < 8388608.0, (a + 8388608.0) - 8388608.0, a)
-    return tl.where(y == 0, y, tl.where(y < 0, -a, a)) / 64
 
 
 @device_function
