@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from .configuration_aaren import AarenConfig
-from .modeling_aaren import AarenLayerState, AarenMixer, AarenPreTrainedModel
+from .modeling_aaren import AarenLayerState, AarenMixer, AarenPreTrainedModel, positions
 
 # state_dict names of the layer before it wrapped AarenMixer, so checkpoints saved then still load.
 _LEGACY_NAMES = {"out_proj.": "mixer.o_proj.", "k_proj.": "mixer.k_proj.", "v_proj.": "mixer.v_proj.",
@@ -112,16 +112,13 @@ class AarenAttention(AarenPreTrainedModel):
         state = None
         if initial_state is not None or return_state:
             state = initial_state.copy() if initial_state is not None else AarenAttentionState()
-        start = torch.zeros(B, dtype=torch.long, device=x.device)
-        if state is not None and state.real_tokens is not None:
-            start = state.real_tokens
-        pos = (start.unsqueeze(1) + keep.long().cumsum(1) - 1).masked_fill(~keep, -1)
+        pos, real_tokens = positions(keep, None if state is None else state.real_tokens)
         y = self.mixer(x, keep, pos, state)
         if padding_mask is not None:
             y = y.masked_fill(padding_mask.unsqueeze(-1), 0.0)
         if not return_state:
             return y
-        state.real_tokens = start + keep.long().sum(1)
+        state.real_tokens = real_tokens
         return y, state
 
     def step(self, x_t: torch.Tensor, state: Optional[AarenAttentionState] = None):

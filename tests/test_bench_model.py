@@ -150,7 +150,7 @@ def test_count_ops_as_a_gpu_runs_it_runs_fewer_operators():
     ranks 448 of the tokens that left its 64-token window) runs fewer operators as a GPU runs it (one piece, one
     window-attention call, larger sweep passes; fewer still with the window kernel than with the PyTorch window path),
     with the same logits to float rounding, and moves fewer bytes with the window kernel; at one layer a decode step
-    and a train step run more operators than the teacher's, and the train step moves more bytes;
+    runs fewer operators than the teacher's (with the step kernels), a train step more, and it moves more bytes;
     ``launch_bound`` and the C kernels' switch are left as they were."""
     import os
 
@@ -172,7 +172,8 @@ def test_count_ops_as_a_gpu_runs_it_runs_fewer_operators():
         assert gathered["prefill"][1][0] > gpu + 20
         assert gathered["MB"]["prefill"][1] > counts["MB"]["prefill"][1] > 0  # each block's keys gathered
     assert diff_gpu < 1e-4
-    assert counts["decode"]["student"] > counts["decode"]["teacher"] > 0
+    if modeling_aaren.fused_window_step is not None and triton_available():
+        assert 0 < counts["decode"]["student"] < counts["decode"]["teacher"]
     assert (modeling_aaren.launch_bound, os.environ.get("AAREN_BACKEND")) == before
 
 

@@ -236,9 +236,10 @@ def test_a_gpu_train_step_and_prefill_never_wait_for_the_device(case, monkeypatc
 def test_a_gpu_decode_step_computes_its_angles_once_for_the_layers_that_share_them(monkeypatch):
     """A decode step computes its rotary angles (at the token, and the sinks' turn) once for all layers with the same
     frequencies and window, on a GPU too (``launch_bound`` says yes): the layers' frequencies are compared once per
-    version of them (an in-place write makes a new version), so later steps read nothing back to the host. Three
-    layers: 2 computations per step where the per-layer path takes 6; after one layer's frequencies are written
-    (step 13) that layer computes its own (4). The logits equal the per-layer path's bit for bit."""
+    version of them (an in-place write makes a new version), so later steps read nothing back to the host; both sets
+    in one ``rotary_angles`` call. Three layers: 1 call per step where the per-layer path makes 3; after one layer's
+    frequencies are written (step 13) that layer computes its own (2). The logits equal the per-layer path's bit for
+    bit."""
     monkeypatch.setattr(modeling, "launch_bound", lambda device: True)
     ids = random_ids(2, 16, seed=4)
     real, calls = modeling.rotary_angles, []
@@ -262,8 +263,24 @@ def test_a_gpu_decode_step_computes_its_angles_once_for_the_layers_that_share_th
 
     shared, counts, reads = steps(share=True)
     per_layer, per_layer_counts, _ = steps(share=False)
-    assert counts == [2, 2, 2, 4, 4, 4] and per_layer_counts == [6] * 6 and reads == []
+    assert counts == [1, 1, 1, 2, 2, 2] and per_layer_counts == [3] * 6 and reads == []
     assert torch.equal(shared, per_layer)
+
+
+def test_positions_count_the_real_tokens_so_far():
+    """``positions``: each real token's position after the real tokens of earlier calls, -1 at padding (left, in
+    the middle, at the end, a row of padding only), and the count after the call, which the next call starts from;
+    an empty call changes nothing."""
+    mask = torch.tensor([[False, False, True, True, True], [True, False, True, False, True],
+                         [True, True, True, True, False], [False] * 5])
+    pos, after = modeling.positions(mask)
+    assert pos.tolist() == [[-1, -1, 0, 1, 2], [0, -1, 1, -1, 2], [0, 1, 2, 3, -1], [-1] * 5]
+    assert after.tolist() == [3, 3, 4, 0]
+    pos, after = modeling.positions(mask[:, :2], torch.tensor([7, 0, 2, 5]))
+    assert pos.tolist() == [[-1, -1], [0, -1], [2, 3], [-1, -1]] and after.tolist() == [7, 1, 4, 5]
+    pos, after = modeling.positions(mask[:, :0], torch.tensor([7, 0, 2, 5]))
+    assert pos.shape == (4, 0) and after.tolist() == [7, 0, 2, 5]
+    assert modeling.positions(mask[:, :0])[1].tolist() == [0] * 4
 
 
 @pytest.mark.parametrize("launch_bound", [False, True])

@@ -13,11 +13,12 @@ at most M + BQ), and decides what each query sees from positions and indices as 
     sinks     sink s: its score (a rotated query's dot with the sink key, computed outside: the query is rotated
               to another position for it) and whether query i sees it
 
-Online softmax in float32 (scores, running max and sum, output); what is saved for backward is the inputs, o and
-the per-row log-sum-exp. The queries may come as they were projected, with their rotary angles: each program turns
-its block as it reads it, so no turned copy is written, nor kept for training (a layer's largest input). The backward recomputes the probabilities from the lse, writes dq per program and adds dk
-and dv of the keys it read with float32 atomics (a key is read by up to two blocks of the window and by every block
-of its memory stretch, for each of the G query heads of its kv head).
+Online softmax in float32 (scores, running max and sum, output); what is saved for backward is the inputs, o and the
+per-row log-sum-exp. The queries may come as they were projected, with their rotary angles: each program turns its
+block as it reads it, so no turned copy is written, nor kept for training (a layer's largest input). The backward
+recomputes the probabilities from the lse, writes dq per program and adds dk and dv of the keys it read with float32
+atomics (a key is read by up to two blocks of the window and by every block of its memory stretch, for each of the G
+query heads of its kv head).
 
 Loads are converted to float32; dots run as the scan's do (``_dot_precision``: "ieee" for float32 inputs, tf32 for
 16-bit ones where the GPU has it).
@@ -271,16 +272,16 @@ class WindowAttentionFunction(torch.autograd.Function):
 def window_attention_triton(q, qpos, ks, vs, spos, P0, window, scale, memory=None, sinks=None, angles=None):
     """Softmax attention of each query over its window, the memory candidates it sees and the sinks it sees.
 
-    q [B, T, H, D] rotated at its position, or with ``angles`` (cos, sin [B, T, 1, rot] float32, as ``rotary_angles``
-    gives them) turned by them as the kernel reads it (``rotate_by``'s bits: float32, rounded to q's dtype; training
-    keeps q, not a turned copy, and q's gradient comes back turned back); qpos [B, T] (-1: padding, whose output is
-    0); ks, vs [B, Ls, Hkv, D] the stream (the window entries held, then this call's T tokens: query i is stream row
-    P0 + i), spos [B, Ls]; ``window``: W. ``memory``: None or (keys, values [B, Hkv, C, D], evict [B, Hkv, C], last [T + 1], idx
-    [B, NB, Hkv, K] the candidates each block of BQ queries may see, seen ones first, counts [NB] how many of them
-    the block needs at most) as ``_memory_blocks`` gives them with Q = BQ. ``sinks``: None or (scores [B, T, H, S],
-    values [B, S, Hkv, D], positions [B, S], -1 where empty: a query at p sees a sink at s <= p - W). Returns
-    [B, T, H, D] in q's dtype; gradients flow to q, ks, vs, the memory's keys and values and the sinks' scores and
-    values.
+    q [B, T, H, D] rotated at its position, or with ``angles`` (cos, sin [B, T, 1, rot] float32, as
+    ``rotary_angles`` gives them) turned by them as the kernel reads it (``rotate_by``'s bits: float32, rounded to
+    q's dtype; training keeps q, not a turned copy, and q's gradient comes back turned back); qpos [B, T] (-1:
+    padding, whose output is 0); ks, vs [B, Ls, Hkv, D] the stream (the window entries held, then this call's T
+    tokens: query i is stream row P0 + i), spos [B, Ls]; ``window``: W. ``memory``: None or (keys, values [B, Hkv,
+    C, D], evict [B, Hkv, C], last [T + 1], idx [B, NB, Hkv, K] the candidates each block of BQ queries may see,
+    seen ones first, counts [NB] how many of them the block needs at most) as ``_memory_blocks`` gives them with Q =
+    BQ. ``sinks``: None or (scores [B, T, H, S], values [B, S, Hkv, D], positions [B, S], -1 where empty: a query at
+    p sees a sink at s <= p - W). Returns [B, T, H, D] in q's dtype; gradients flow to q, ks, vs, the memory's keys
+    and values and the sinks' scores and values.
     """
     B, T, H, D = q.shape
     Hkv = ks.shape[2]
