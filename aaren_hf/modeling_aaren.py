@@ -570,11 +570,11 @@ def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sin
 def _window_attention_fused(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sink_pos, window, rotary,
                             scale, memory):
     """:func:`window_attention` by a kernel: the Triton one on a GPU (kernels/window/chunk.py), the C one on a CPU
-    (kernels/window/chunk.c, where ``window_cpu_takes`` says so). Both have their backward. The
-    window's keys are read where they lie, the memory's through each block's list of candidates, and what a query
-    sees is decided in the kernel, so no block's keys are gathered and no mask is built (on a GPU the gathered keys
-    and values were about ten times the window's, kept for backward; on a CPU each query scores its own keys rather
-    than its block's widest set)."""
+    (kernels/window/chunk.c, where ``window_cpu_takes`` says so). Both have their backward. The window's keys are
+    read where they lie, the memory's through each block's list of candidates, the queries are turned as they are
+    read, and what a query sees is decided in the kernel, so no block's keys are gathered and no mask is built (on a
+    GPU the gathered keys and values were about ten times the window's, kept for backward; on a CPU each query
+    scores its own keys rather than its block's widest set)."""
     B, T, H, D = q.shape
     S, attend = sink_k.shape[1], _attention_dtype(q)
     in_triton = takes_triton(fused_window_attention, q)
@@ -589,11 +589,11 @@ def _window_attention_fused(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink
         # the kernels turn the queries as they read them (their backward again): no turned copy is written or kept
         # for backward, only q, which the slots' mix keeps too. For a float64 q the Triton kernel takes float32: the
         # same turn, as rotate_by turns in float32.
-        qr, angles = q.to(attend) if in_triton else q, rotary.angles()
+        q_in, angles = (q.to(attend) if in_triton else q), rotary.angles()
         if S > 0:
             sink_s = _sink_scores(q, pos, sink_k, window, rotary, attend).view(B, T, H, S)
     else:
-        qr, sink_s = queries
+        q_in, sink_s = queries  # turned already
     ks, vs, spos = after_held(k_prev, k.to(attend)), after_held(v_prev, v.to(attend)), after_held(pos_prev, pos)
     lists = None
     if memory is not None:
@@ -605,7 +605,7 @@ def _window_attention_fused(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink
             lists += _memory_lists(evict, last, T, nblk, WINDOW_BLOCK, width=size + WINDOW_BLOCK)
     sinks = None if S == 0 else (sink_s, sink_v.to(attend), sink_pos)  # the kernels decide which a query sees
     kernel = fused_window_attention if in_triton else window_attention_cpu
-    out = kernel(qr, pos, ks, vs, spos, k_prev.shape[1], window, scale, lists, sinks, angles)
+    out = kernel(q_in, pos, ks, vs, spos, k_prev.shape[1], window, scale, lists, sinks, angles)
     return out.to(q.dtype)
 
 
