@@ -14,6 +14,7 @@ same in both models). What it cannot see: temporaries freed within the forward, 
 
 import argparse
 import collections
+import contextlib
 import os
 import sys
 import traceback
@@ -69,13 +70,15 @@ def main(argv=None):
     dtype = getattr(torch, args.dtype)
     teacher, student = bench_model.random_teacher_and_student(args.layers)
     ids = torch.randint(3, teacher.config.vocab_size, (args.batch, args.tokens))
-    # as a GPU runs it (launch_bound below), window attention takes the model's 16-bit dtype
-    attend = modeling._attention_dtype if args.attention_dtype == "model" else (lambda q: torch.float32)
-    # the scan's Triton kernels (interpreted) save what they save on a GPU
-    with mock.patch.object(modeling, "launch_bound", lambda device: True), \
-            mock.patch.object(modeling, "_attention_dtype", attend), mock.patch.dict(os.environ, TRITON_INTERPRET="1"), \
-            mock.patch.object(modeling, "fused_window_attention",
-                              modeling.fused_window_attention if args.window == "kernel" else None):
+    # as a GPU runs it (launch_bound below), window attention takes the model's 16-bit dtype; the scan's Triton
+    # kernels (interpreted) save what they save on a GPU
+    with contextlib.ExitStack() as patches:
+        patches.enter_context(mock.patch.object(modeling, "launch_bound", lambda device: True))
+        patches.enter_context(mock.patch.dict(os.environ, TRITON_INTERPRET="1"))
+        if args.attention_dtype == "float32":
+            patches.enter_context(mock.patch.object(modeling, "_attention_dtype", lambda q: torch.float32))
+        if args.window == "pytorch":
+            patches.enter_context(mock.patch.object(modeling, "fused_window_attention", None))
         result = {name: saved_by_line(model.to(dtype).train(), ids)
                   for name, model in (("teacher", teacher), ("student", student))}
     mib = {name: per_layer(by_line, args.layers) / 2**20 for name, by_line in result.items()}
