@@ -374,8 +374,8 @@ class Rotary:
 
 def positions(mask: torch.Tensor, before: Optional[torch.Tensor] = None):
     """(pos [B, T]: each real token's position, after the ``before`` [B] real tokens of earlier calls, -1 at padding;
-    the real tokens counted at the end of this call [B]) of a keep mask [B, T] (True: a real token). Three operators
-    (a decode step pays them once a pass)."""
+    the real tokens counted at the end of this call [B]) of a keep mask [B, T] (True: a real token). Three operators,
+    four with ``before`` (a decode step pays them once a pass)."""
     counted = mask.cumsum(1)  # int64 (a bool mask counts as such)
     if before is not None:
         counted = counted + before.unsqueeze(1)
