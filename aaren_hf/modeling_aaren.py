@@ -358,14 +358,17 @@ class Rotary:
 
     def turn_on(self, edge: int):
         """(cos, sin) [B, T, 1, rot] at max(pos - edge, 0): a decode step turns the sink keys on by that."""
-        return self._at(("on", edge), lambda: (self.pos - edge).clamp(min=0))[1]
+        return self._at(("on", edge), lambda: self._on(edge))[1]
+
+    def _on(self, edge: int):
+        return (self.pos - edge).clamp(min=0)
 
     def with_turn_on(self, edge: int):
         """(:meth:`angles`, :meth:`turn_on` (edge)) as a decode step asks for them: where neither is known yet, from
         one :func:`rotary_angles` call on both sets of positions (the same bits, five operators fewer a pass)."""
         if "pos" not in self._known and ("on", edge) not in self._known:
             B = self.pos.shape[0]
-            on = (self.pos - edge).clamp(min=0)
+            on = self._on(edge)
             cos, sin = rotary_angles(torch.cat([self.pos, on]), self.inv_freq)
             self._known["pos"] = self.pos, (cos[:B], sin[:B])
             self._known[("on", edge)] = on, (cos[B:], sin[B:])

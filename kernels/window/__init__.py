@@ -144,18 +144,22 @@ def _call(name, shape, tensors, P0, window, scale, *extra):
 
 
 def checked_angles(angles, q):
-    """The window attention kernels' ``angles`` for queries q [B, T, H, D]: (cos, sin) [B, T, 1, rot] float32 with
-    rot even and at most D, contiguous; None stays None. Anything else is the caller's mistake: ValueError."""
+    """The window attention kernels' ``angles`` for queries q [B, T, H, D] (float32, bfloat16 or float16: what the
+    turns, and the turn back of q's gradient, take): (cos, sin) [B, T, 1, rot] float32 with rot even and at most D,
+    contiguous; None stays None. Anything else is the caller's mistake: ValueError (where the turn back would
+    decline, q's gradient would otherwise be lost)."""
     if angles is None:
         return None
     cos, sin = angles
     B, T, _, D = q.shape
     rot = cos.shape[-1]
     if (rot % 2 or rot > D or tuple(cos.shape) != (B, T, 1, rot) or sin.shape != cos.shape
-            or {cos.dtype, sin.dtype} != {torch.float32} or cos.device != q.device or sin.device != q.device):
+            or {cos.dtype, sin.dtype} != {torch.float32} or cos.device != q.device or sin.device != q.device
+            or q.dtype not in (torch.float32, torch.bfloat16, torch.float16)):
         raise ValueError(f"angles: cos and sin [B, T, 1, rot] float32 on the queries' device with rot even and at "
-                         f"most D = {D} (rotary_angles of the queries' positions), for queries {tuple(q.shape)}; got "
-                         f"{tuple(cos.shape)} {cos.dtype} and {tuple(sin.shape)} {sin.dtype}")
+                         f"most D = {D} (rotary_angles of the queries' positions), for float32 or 16-bit queries "
+                         f"{tuple(q.shape)} {q.dtype}; got {tuple(cos.shape)} {cos.dtype} and {tuple(sin.shape)} "
+                         f"{sin.dtype}")
     return dense(cos), dense(sin)
 
 

@@ -32,7 +32,7 @@ from .. import WINDOW_BLOCK as BQ  # queries per program; the memory's candidate
 from ..aaren.chunk import _ADD, _MAX, _dot_precision, device_function, get_kernel
 from ..memory.codes import _cast
 from . import checked_angles
-from .rotate import _rotated, rotate_triton
+from .rotate import _angles, _rotated, rotate_triton
 BK = 64  # keys per tile
 
 
@@ -66,10 +66,7 @@ def _query_block(q, qpos, cos, sin, T, H: tl.constexpr, HKV: tl.constexpr, D: tl
     valid = m_q & (qp >= 0)
     row_off = (b.to(tl.int64) * T + rows) * H + h
     if ROT > 0:  # rounded to q's dtype, as rotate_by rounds: the turned queries are never stored
-        angle = (b.to(tl.int64) * T + rows)[:, None] * ROT + cols[None, :]
-        m_a = m_q[:, None] & (cols[None, :] < ROT)
-        c = tl.load(cos + angle, mask=m_a, other=1.0)
-        s = tl.load(sin + angle, mask=m_a, other=0.0)
+        c, s = _angles(cos, sin, (b.to(tl.int64) * T + rows)[:, None] * ROT, m_q[:, None], cols[None, :], ROT)
         b_q = _rotated(q, row_off[:, None] * D, m_q[:, None], cols[None, :], c, s, D, ROT)
         b_q = _cast(b_q, q.dtype.element_ty).to(tl.float32)
     else:

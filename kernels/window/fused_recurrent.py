@@ -34,7 +34,7 @@ from ..memory.codes import _butterflies, _cast, _codes, _store_codes
 from ..memory.evict import _on_grid
 from ..state import writable
 from .chunk import _softmax_step
-from .rotate import _rotated
+from .rotate import _angles, _rotated
 
 
 @device_function
@@ -71,11 +71,8 @@ def _window_step_kernel(
     # combined with a tensor one
     pc = p + 0 * cols
     a_sink = (pc >= 0) & (pc < S)  # the token fills sink slot p
-    in_rot = cols < ROT
-    ct = tl.load(cos_t + b * ROT + cols, mask=in_rot, other=1.0)
-    st = tl.load(sin_t + b * ROT + cols, mask=in_rot, other=0.0)
-    cs = tl.load(cos_s + b * ROT + cols, mask=in_rot, other=1.0)
-    ss = tl.load(sin_s + b * ROT + cols, mask=in_rot, other=0.0)
+    ct, st = _angles(cos_t, sin_t, b * ROT, m_d, cols, ROT)  # the token's angles
+    cs, ss = _angles(cos_s, sin_s, b * ROT, m_d, cols, ROT)  # the sink keys' turn
     j = tl.arange(0, BW)[:, None]  # window rows: W - 1 held, then the token
     held = j < WP
     old_pos = tl.load(win_pos + b * WP + j, mask=held, other=-1)

@@ -32,6 +32,14 @@ def _rotated(x, at, rows, cols, cos, sin, D: tl.constexpr, ROT: tl.constexpr):
     return tl.where(cols < ROT, v * cos + partner * sin, v)
 
 
+@device_function
+def _angles(cos, sin, at, rows, cols, ROT: tl.constexpr):
+    """The angles' cos and sin at ``at`` + cols (``at`` a token's row of ROT), ``rows`` which tokens to read: 1 and 0
+    past ROT and where not read, so that ``_rotated`` leaves those channels as they are."""
+    m = rows & (cols < ROT)
+    return tl.load(cos + at + cols, mask=m, other=1.0), tl.load(sin + at + cols, mask=m, other=0.0)
+
+
 def _rotate_kernel(x, cos, sin, out, NH, T, stride_b, stride_t, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
                    ROT: tl.constexpr, BR: tl.constexpr, INVERSE: tl.constexpr):
     # one program per BR rows of D channels (a token's head each); the angles are the token's, shared by its heads.
@@ -40,10 +48,7 @@ def _rotate_kernel(x, cos, sin, out, NH, T, stride_b, stride_t, H: tl.constexpr,
     m_r = rows < NH
     cols = tl.arange(0, BD)[None, :]
     token = rows // H
-    angle = token * ROT + cols
-    m_a = m_r & (cols < ROT)
-    c = tl.load(cos + angle, mask=m_a, other=1.0)
-    s = tl.load(sin + angle, mask=m_a, other=0.0)
+    c, s = _angles(cos, sin, token * ROT, m_r, cols, ROT)
     if INVERSE:  # -sin, as the reference negates it: exact
         s = -s
     y = _rotated(x, (token // T) * stride_b + (token % T) * stride_t + (rows % H) * D, m_r, cols, c, s, D, ROT)
