@@ -102,8 +102,9 @@ class AarenLayerState:
     else the model dtype, like a KV cache.
 
     Tensors are None until the first forward fills them, so a cache made before the batch is known (as
-    ``generate`` does) needs no sizes. The one-token decode step writes an entry into the memory tensors, and on a
-    CPU one into the sinks, in place; every other update replaces tensors (:meth:`copy` a state to keep it).
+    ``generate`` does) needs no sizes. A decode step writes the state's tensors in place on every path (the C and
+    Triton step kernels, the PyTorch step through :meth:`write`), so it keeps the whole state at fixed addresses, as a
+    CUDA graph of the step replays it; a prompt replaces them. :meth:`copy` a state to keep it.
     """
 
     is_compileable = False
@@ -136,8 +137,13 @@ class AarenLayerState:
                  "memory_score")
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
+    def write(self, **new):
+        """A decode step's new tensors, copied into the ones held where those match them in shape and dtype."""
+        for name, t in new.items():
+            _write(self, name, t)
+
     def copy(self):
-        """A state to continue from that leaves this one as it is: every tensor cloned (the C decode step writes the
+        """A state to continue from that leaves this one as it is: every tensor cloned (a decode step writes the
         state in place)."""
         new = copy.copy(self)
         for name, tensor in self.tensors().items():
@@ -172,16 +178,56 @@ class AarenCache(Cache):
 
     ``get_seq_length()`` counts positions consumed (padding included), which ``generate`` uses to slice inputs when a
     user continues from a returned cache. ``real_tokens`` counts non-padding tokens per row: the next position.
+
+    ``static=True`` (what ``generate(..., cache_implementation="static")`` makes) marks the state's tensors as fixed
+    addresses after each call outside torch.compile, and says ``is_compileable``, on which ``generate`` compiles its
+    decode step (on a GPU, inductor with CUDA graphs): the step writes every tensor in place and reads no Python
+    number that changes from step to step, so one graph serves every step.
     """
 
     is_compileable = False
 
-    def __init__(self, config=None, num_layers: Optional[int] = None):
+    def __init__(self, config=None, num_layers: Optional[int] = None, static: bool = False):
         if num_layers is None:
             num_layers = config.num_hidden_layers
         super().__init__(layers=[AarenLayerState() for _ in range(num_layers)])
-        self.seen_tokens = 0
+        self.is_compileable = static
+        self._seen = 0  # positions fed by calls outside torch.compile
+        self._seen_in_graph = None  # 0-d int64 on the device: positions fed by compiled calls
         self.real_tokens = None  # [B] int64
+
+    @property
+    def seen_tokens(self) -> int:
+        """Positions fed so far, padding included (read from the device once compiled steps have run)."""
+        return self._seen + (0 if self._seen_in_graph is None else int(self._seen_in_graph))
+
+    @seen_tokens.setter
+    def seen_tokens(self, n: int):
+        self._seen = n
+        if self._seen_in_graph is not None:
+            self._seen_in_graph.zero_()
+
+    def count(self, T: int, device: torch.device):
+        """T more positions fed. A compiled call counts on the device: a Python int read there would be an input of
+        the graph that changes every step, and CUDA graphs record one graph per value of such an input."""
+        if not _compiling():
+            self._seen += T
+            return
+        if self._seen_in_graph is None:
+            self._seen_in_graph = torch.zeros((), dtype=torch.long, device=device)
+        self._seen_in_graph.add_(T)
+
+    def hold_still(self, device: torch.device):
+        """After a call outside torch.compile: mark every tensor a compiled step writes as a fixed address (without
+        it, CUDA graphs skip a graph that writes its inputs)."""
+        if self._seen_in_graph is None:
+            self._seen_in_graph = torch.zeros((), dtype=torch.long, device=device)
+        held = [self._seen_in_graph, self.real_tokens]
+        for layer in self.layers:
+            held.extend(layer.tensors().values())
+        for t in held:
+            if t is not None:
+                torch._dynamo.mark_static_address(t)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen_tokens
@@ -747,7 +793,10 @@ def hadamard_signs(D: int, device, dtype: torch.dtype = torch.float32) -> torch.
     """The D x D Sylvester-Hadamard matrix (+-1, symmetric), made once per size, device and dtype."""
     key = (D, torch.device(device), dtype)
     if key not in _HADAMARD_SIGNS:
-        _HADAMARD_SIGNS[key] = hadamard(torch.eye(D, dtype=torch.float64, device=device)).mul(D).to(dtype)
+        signs = hadamard(torch.eye(D, dtype=torch.float64, device=device)).mul(D).to(dtype)
+        if _compiling():  # kept by a compiled step, the next call would find it and compile again
+            return signs
+        _HADAMARD_SIGNS[key] = signs
     return _HADAMARD_SIGNS[key]
 
 
@@ -872,6 +921,19 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
             _SAME_VALUES.clear()
         hit = _SAME_VALUES[key] = (a, b, torch.equal(a, b))
     return hit[2]
+
+
+def _write(holder, name: str, new: torch.Tensor):
+    """``holder.name = new``, copied into the tensor held where that has new's shape and dtype (a decode step's
+    fixed addresses); held as given where nothing is held yet or the held tensor takes no writes."""
+    held = getattr(holder, name)
+    if held is new:
+        return
+    if (held is None or held.shape != new.shape or held.dtype != new.dtype
+            or (not _compiling() and held.is_inference() and not torch.is_inference_mode_enabled())):
+        setattr(holder, name, new)  # (an inference tensor, made under inference_mode, takes no writes outside it)
+    else:
+        held.copy_(new)
 
 
 def _compiling() -> bool:
@@ -1274,7 +1336,9 @@ class AarenMixer(nn.Module):
             # one product per query head over its J slots, in the outputs' dtype (float32 sums inside): a float32
             # copy of the J outputs would be the largest tensor the branch keeps for backward
             o = o.squeeze(3) if mix is None else torch.matmul(mix.to(o.dtype).unsqueeze(-2), o).squeeze(-2)
-        if state is not None:
+        if state is not None and decoding:
+            state.write(aaren_o=final[0], aaren_lse=final[1])
+        elif state is not None:
             state.aaren_o, state.aaren_lse = final
         return o, s
 
@@ -1485,9 +1549,9 @@ class AarenMixer(nn.Module):
 
         if M > 0:
             self.offer_to_memory(state, stored)
-            state.window_score = torch.cat([state.window_score, retention], 1)[:, 1:]
-        state.window_k, state.window_v, state.window_pos = win_k[:, 1:], win_v[:, 1:], win_pos[:, 1:]
-        state.sink_k, state.sink_v, state.sink_pos = sink_k, sink_v, sink_pos
+            state.write(window_score=torch.cat([state.window_score, retention], 1)[:, 1:])
+        state.write(window_k=win_k[:, 1:], window_v=win_v[:, 1:], window_pos=win_pos[:, 1:], sink_k=sink_k,
+                    sink_v=sink_v, sink_pos=sink_pos)
         return mix_branches(out.to(q.dtype), mix)
 
     def rotary(self, pos, shared: Optional[dict]) -> Rotary:
@@ -1811,7 +1875,9 @@ class AarenModel(AarenPreTrainedModel):
             limit = self.config.max_position_embeddings
             # every position is below the tokens fed so far (padding included): read pos back (on a GPU, a wait for
             # every launch before it) only when that bound reaches the table's end
-            if (0 if cache is None else cache.seen_tokens) + T > limit and int(pos.max()) >= limit:
+            # (a compiled step cannot raise on a value: generate checks max_length for a static cache up front)
+            if (not _compiling() and (0 if cache is None else cache.seen_tokens) + T > limit
+                    and int(pos.max()) >= limit):
                 raise ValueError(
                     f"Input reaches position {int(pos.max())}, but this model's learned position table holds "
                     f"{limit} positions (max_position_embeddings). Shorten the input or the generation length."
@@ -1836,8 +1902,13 @@ class AarenModel(AarenPreTrainedModel):
         if output_hidden_states:
             all_hidden = tuple(parts[0] if len(parts) == 1 else torch.cat(parts, 1) for parts in per_layer)
         if cache is not None:
-            cache.seen_tokens += T
-            cache.real_tokens = real_tokens
+            cache.count(T, hidden_states.device)
+            if T == 1:  # a decode step: in place, as the layers' states
+                _write(cache, "real_tokens", real_tokens)
+            else:
+                cache.real_tokens = real_tokens
+            if cache.is_compileable and not _compiling():
+                cache.hold_still(hidden_states.device)
         out = BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=cache, hidden_states=all_hidden)
         return out if return_dict is not False else out.to_tuple()
 
@@ -1870,13 +1941,29 @@ class AarenForCausalLM(AarenPreTrainedModel, GenerationMixin):
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         if model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False:
+            if generation_config.cache_implementation == "static":
+                # the state at fixed addresses, and generate compiles the decode step (on a GPU by default)
+                limit = self.config.max_position_embeddings
+                if hasattr(self.model, "embed_positions") and generation_config.max_length > limit:
+                    raise ValueError(
+                        f"max_length={generation_config.max_length} passes this model's learned position table "
+                        f"({limit} positions), which a compiled step cannot check: lower max_new_tokens."
+                    )
+                model_kwargs["past_key_values"] = AarenCache(self.config, static=True)
+                return
             if generation_config.cache_implementation not in (None, "dynamic"):
                 raise ValueError(
                     f"cache_implementation={generation_config.cache_implementation!r} does not apply to Aaren: its "
-                    "cache is a fixed-size recurrent state. Leave cache_implementation unset."
+                    "cache is a fixed-size recurrent state. Leave cache_implementation unset, or 'static' to "
+                    "compile the decode step."
                 )
             model_kwargs["past_key_values"] = AarenCache(self.config)
         return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+
+    def create_masks_for_generate(self, inputs_embeds, attention_mask=None, **kwargs):
+        """What generate passes as the mask with a compileable cache: the new tokens' columns of the 2D padding mask
+        (all the model reads), one shape step after step where the whole mask grows by one column a step."""
+        return None if attention_mask is None else attention_mask[:, -inputs_embeds.shape[1]:]
 
     def forward(
         self,

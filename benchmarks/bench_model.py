@@ -128,9 +128,11 @@ def build_parser():
                    "operator calls, kernel launches and host syncs per step, and the operators that take the time")
     p.add_argument("--prefill-tokens", type=int, default=None, metavar="N", help="tokens per piece of a prefill for "
                    "this run (the model's PREFILL_TOKENS_GPU on a GPU, its PREFILL_CHUNK on a CPU): to compare pieces")
-    p.add_argument("--compile-decode", default=None, metavar="BACKEND", help="run every model's decode steps "
-                   "through torch.compile with this backend (inductor on a GPU: fused kernels instead of one launch "
-                   "per operator; 'eager' only checks that the step traces); the warm-up steps take the compiles")
+    p.add_argument("--compile-decode", default=None, metavar="BACKEND", help="decode as generate(cache_implementation="
+                   "'static') does: every model's cache at fixed addresses (the teacher's StaticCache, the students' "
+                   "static AarenCache), its steps through torch.compile with this backend (inductor: mode "
+                   "reduce-overhead, CUDA graphs on a GPU; 'eager' only checks that the step traces); the warm-up "
+                   "steps take the compiles")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", dest="json_path", default=None, help="also write every number to this JSON file")
     return p
@@ -365,9 +367,24 @@ def run_train(models, args):
     return rows
 
 
-def prefill(model, ids):
-    out = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True, logits_to_keep=1)
+def prefill(model, ids, static_length=None):
+    """(cache, next token) after a prompt. ``static_length``: in the cache generate(cache_implementation="static")
+    makes, the teacher's StaticCache of that many positions or the student's AarenCache at fixed addresses."""
+    cache = None
+    if static_length is not None:
+        from transformers import StaticCache
+
+        from aaren_hf import AarenCache, AarenForCausalLM
+
+        cache = (AarenCache(model.config, static=True) if isinstance(model, AarenForCausalLM)
+                 else StaticCache(config=model.config, max_cache_len=static_length))
+    out = model(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, use_cache=True,
+                logits_to_keep=1)
     return out.past_key_values, out.logits[:, -1:].argmax(-1)
+
+
+def static_length(args, prompt_len, steps):
+    return prompt_len + steps + 1 if args.compile_decode else None
 
 
 class Decoding:
@@ -375,15 +392,20 @@ class Decoding:
 
     def __init__(self, kind, model, cache, next_token, prompt_len, max_steps, compile_backend=None):
         self.kind, self.cache, self.next_token = kind, cache, next_token
-        # dynamic: the attention mask grows by one each step
-        self.model = model if compile_backend is None else torch.compile(model, backend=compile_backend, dynamic=True)
+        self.model = model
+        if compile_backend is not None:  # generate()'s compile of the step (transformers' CompileConfig)
+            mode = "reduce-overhead" if compile_backend == "inductor" else None
+            self.model = torch.compile(model, backend=compile_backend, mode=mode)
         self.n = prompt_len
-        self.mask = torch.ones(next_token.shape[0], prompt_len + max_steps + 1, dtype=torch.long,
-                               device=next_token.device)
+        self.mask = None  # what generate() passes for prompts without padding
+        if compile_backend is None:  # as measured before: the growing all-ones mask
+            self.mask = torch.ones(next_token.shape[0], prompt_len + max_steps + 1, dtype=torch.long,
+                                   device=next_token.device)
 
     def step(self):
-        kwargs = dict(input_ids=self.next_token, attention_mask=self.mask[:, : self.n + 1], past_key_values=self.cache,
-                      use_cache=True)
+        kwargs = dict(input_ids=self.next_token, past_key_values=self.cache, use_cache=True)
+        if self.mask is not None:
+            kwargs["attention_mask"] = self.mask[:, : self.n + 1]
         if self.kind == "teacher":  # generate() passes the position of the new token to a KV-cache model
             kwargs["position_ids"] = torch.full_like(self.next_token, self.n)
         out = self.model(**kwargs)
@@ -408,7 +430,8 @@ def run_prompts(models, args):
                 for kind in rotated(list(models), r):
                     states.pop(kind, None)  # free the previous repetition's cache first
                     with PeakMemory(args.device) as probe:
-                        states[kind] = prefill(models[kind], ids)
+                        states[kind] = prefill(models[kind], ids,
+                                               static_length(args, length, args.warmup_steps + args.steps))
                     if r >= args.warmup:
                         times[kind].append(probe.seconds)
                     pre_delta[kind] = _peak(pre_delta[kind], probe.delta)
@@ -508,7 +531,7 @@ def warm_up(models, args):
     ids = random_ids(args, 1, 16, salt=1)
     with torch.no_grad():
         for kind, model in models.items():
-            dec = Decoding(kind, model, *prefill(model, ids), 16, 3, args.compile_decode)
+            dec = Decoding(kind, model, *prefill(model, ids, static_length(args, 16, 3)), 16, 3, args.compile_decode)
             for _ in range(3):
                 dec.step()
     synchronize(args.device)

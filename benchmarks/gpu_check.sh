@@ -33,27 +33,30 @@ print('torch', torch.__version__, '| triton', triton.__version__, '| transformer
       '|', torch.cuda.get_device_name(), '| backend for CUDA tensors:', k.select_backend(torch.zeros(1, device='cuda')))"
 
 # Budgeted to end inside one 10-minute call (the timeouts below add up to 540 s after the install), in order of
-# what matters most: correctness, then the whole model (prefill and generate, then train steps), then the scan.
+# what matters most: correctness, then the whole model (prefill and generate, decoding in CUDA graphs, then train
+# steps), then the window kernels and the scan.
 status=0
 # -v: each test's result prints as it ends, so a run the timeout stops still shows which passed
 timeout 150 python3 -m pytest -v -p no:cacheprovider -m requires_gpu -rfE tests/test_kernels.py tests/test_model.py \
-  tests/test_window_step_kernel.py \
+  tests/test_window_step_kernel.py tests/test_generation.py \
   2>&1 | tee "$LOG/test_gpu.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|Error|assert" | tail -60
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 
 # whole model vs teacher (SmolLM2-135M shape, random weights, bf16): tokens/s, peak memory and ratios in one run;
 # prefill and generate first (with a profile of the decode step), train steps in a second process, so that a
 # train shape that does not fit cannot cost the other rows
-timeout 180 python3 benchmarks/bench_model.py --device cuda --train none --repeats 2 --steps 16 --profile \
+timeout 170 python3 benchmarks/bench_model.py --device cuda --train none --repeats 2 --steps 16 --profile \
   --json "$LOG/bench_model.json" 2>&1 | tee "$LOG/bench_model.log" | grep -v "^\["
-# the same 16K prefill in the CPU's 2,048-token pieces: what prefill_piece gains on this GPU, in one run
-timeout 30 python3 benchmarks/bench_model.py --device cuda --models aaren --prompts 16k --generate none --train none \
-  --prefill-tokens 2048 --json "$LOG/bench_model_pieces2k.json" 2>&1 | tee "$LOG/bench_model_pieces2k.log" | grep "prefill"
-timeout 100 python3 benchmarks/bench_model.py --device cuda --prompts none --generate none --repeats 2 --profile \
+# decoding as generate(cache_implementation="static") runs it: teacher (StaticCache) and student (static AarenCache)
+# each compiled by inductor into CUDA graphs, batch 1, where eager decoding is bound by launches
+timeout 110 python3 benchmarks/bench_model.py --device cuda --models teacher,aaren --prompts none --train none \
+  --generate 1x4k --steps 32 --compile-decode inductor --json "$LOG/bench_model_graphs.json" 2>&1 \
+  | tee "$LOG/bench_model_graphs.log" | grep -v "^\["
+timeout 60 python3 benchmarks/bench_model.py --device cuda --prompts none --generate none --repeats 2 --profile \
   --json "$LOG/bench_model_train.json" 2>&1 | tee "$LOG/bench_model_train.log" | grep -v "^\["
 
 # the window branch: its Triton kernels (attention; the decode step) against the PyTorch paths they replaced, in one run
-timeout 50 python3 benchmarks/bench_window.py --min-time 0.2 --json "$LOG/bench_window.json" 2>&1 \
+timeout 20 python3 benchmarks/bench_window.py --min-time 0.1 --json "$LOG/bench_window.json" 2>&1 \
   | tee "$LOG/bench_window.log"
 timeout 30 python3 benchmarks/bench_kernels.py --seqlens 2048 16384 65536 --min-time 0.2 --decode-batches 1 64 \
   --json "$LOG/bench_b1.json" 2>&1 | tee "$LOG/bench_b1.log"

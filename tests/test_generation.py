@@ -6,6 +6,7 @@ import torch
 
 import aaren_hf  # noqa: F401  before transformers: see helpers.py
 from transformers import (
+    CompileConfig,
     DynamicCache,
     LogitsProcessor,
     LogitsProcessorList,
@@ -14,6 +15,7 @@ from transformers import (
     pipeline,
 )
 
+import aaren_hf.modeling_aaren as modeling
 from aaren_hf import AarenCache
 from helpers import MIXER_CASES, VOCAB, left_pad, one_thread, random_ids, tiny_model  # noqa: F401 (fixture)
 
@@ -254,3 +256,105 @@ def test_cache_batch_operations_act_per_row(model, op):
     want = _next_logits(model, reference, tokens, mask_ref)[rows]
     got = _next_logits(model, cache, tokens[rows], mask[rows])
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Compiled decoding: cache_implementation="static"
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _written_inputs(graph, inputs):
+    """Indices of the inputs a graph writes in place: run on clones under a dispatch mode that notes the storage of
+    every argument an operator's schema marks as written."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    written = set()
+
+    class NoteWrites(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            for i, arg in enumerate(func._schema.arguments):
+                value = args[i] if i < len(args) else kwargs.get(arg.name)
+                if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, torch.Tensor):
+                    written.add(value.untyped_storage().data_ptr())
+            return func(*args, **kwargs)
+
+    clones = [x.clone() for x in inputs]
+    with torch.no_grad(), NoteWrites():
+        graph(*clones)
+    return [i for i, x in enumerate(clones) if x.untyped_storage().data_ptr() in written]
+
+
+@pytest.mark.parametrize("case", ["window_sinks", "memory_int4_hadamard", "memory_shared", "gemma_block"])
+def test_a_static_cache_decodes_with_one_graph_a_cuda_graph_can_replay(case, monkeypatch):
+    """generate(cache_implementation="static") compiles the decode step (transformers' auto-compile, allowed on a
+    CPU here) as a GPU runs it. What CUDA graphs need of it: one graph serves every step of two generate calls
+    (recompiling is an error), with the eager tokens (left padding); none of its inputs is a Python number (a CUDA
+    graph is recorded per value of one); it writes every tensor of the cache in place, and each input it writes is
+    marked as a fixed address (CUDA graphs skip a graph that writes any other input). Traced by a backend that keeps
+    the graph and runs it as it is."""
+    monkeypatch.setattr(modeling, "launch_bound", lambda device: True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model = tiny_model(chunk_size=16, **MIXER_CASES[case])
+    ids, mask = left_pad([random_ids(1, 13, seed=2)[0], random_ids(1, 10, seed=3)[0]])
+    graphs = []
+
+    def keep(graph, inputs):
+        graphs.append((graph, list(inputs)))
+        return graph.forward
+
+    config = CompileConfig(backend=keep, fullgraph=True, mode=None)
+    config._compile_all_devices = True  # transformers' switch to compile on a CPU too
+    eager = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    torch._dynamo.reset()
+    try:
+        for _ in range(2):
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                                     cache_implementation="static", compile_config=config,
+                                     return_dict_in_generate=True)
+            assert torch.equal(out.sequences, eager)
+    finally:
+        torch._dynamo.reset()
+    cache = out.past_key_values
+    assert cache.is_compileable and cache.seen_tokens == 13 + 7 and cache.real_tokens.tolist() == [20, 17]
+    assert len(graphs) == 1
+    graph, inputs = graphs[0]
+    assert all(isinstance(x, torch.Tensor) for x in inputs)
+    written = _written_inputs(graph, inputs)
+    # every non-empty tensor of the layers (a sliding layer holds no sinks), real_tokens and the compiled steps' count
+    held = sum(t.numel() > 0 for layer in cache.layers for t in layer.tensors().values()) + 2
+    assert len(written) == held
+    assert all(getattr(inputs[i], "_dynamo_static_input_type", None) for i in written)
+
+
+def test_a_static_cache_refuses_lengths_past_a_learned_position_table():
+    model = tiny_model(**MIXER_CASES["gpt2_like_window"])
+    limit = model.config.max_position_embeddings
+    with pytest.raises(ValueError, match="learned position table"):
+        model.generate(random_ids(1, 4), max_new_tokens=limit, cache_implementation="static")
+    with pytest.raises(ValueError, match="'static' to compile"):
+        model.generate(random_ids(1, 4), max_new_tokens=2, cache_implementation="offloaded")
+
+
+@pytest.mark.requires_gpu
+@pytest.mark.parametrize("case", ["window_sinks", "memory_int4_hadamard"])
+def test_gpu_static_cache_decodes_in_cuda_graphs(case):
+    """On CUDA, generate(cache_implementation="static") with transformers' default compile (inductor, CUDA graphs):
+    the eager tokens, and no graph skipped CUDA graphs."""
+    from torch._dynamo.utils import counters
+
+    model = tiny_model(chunk_size=16, **MIXER_CASES[case]).cuda()
+    ids, mask = left_pad([random_ids(1, 13, seed=2)[0], random_ids(1, 10, seed=3)[0]])
+    ids, mask = ids.cuda(), mask.cuda()
+    eager = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        for _ in range(2):
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                                 cache_implementation="static")
+            assert torch.equal(out, eager)
+    finally:
+        torch._dynamo.reset()
+    assert counters["inductor"]["cudagraph_skips"] == 0
