@@ -1903,7 +1903,7 @@ class AarenModel(AarenPreTrainedModel):
             all_hidden = tuple(parts[0] if len(parts) == 1 else torch.cat(parts, 1) for parts in per_layer)
         if cache is not None:
             cache.count(T, hidden_states.device)
-            if T == 1:  # a decode step: in place, as the layers' states
+            if _compiling():  # in place, as the layers' states: the addresses a CUDA graph replays
                 _write(cache, "real_tokens", real_tokens)
             else:
                 cache.real_tokens = real_tokens
