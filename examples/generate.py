@@ -50,6 +50,9 @@ def parse_args(argv=None):
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available)")
     parser.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
+    parser.add_argument("--compile", action="store_true", help="generate(cache_implementation='static'): the state at "
+                        "fixed addresses, and on a GPU transformers compiles the decode step (inductor, CUDA graphs; "
+                        "the first call takes the compile); on a CPU the step stays the C kernels' one call a layer")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="load with the modeling code saved in the folder, without importing aaren_hf (as a "
                              "user who only has transformers would)")
@@ -137,6 +140,8 @@ def run(args, threads):
         gen_kwargs.update(temperature=args.temperature, top_p=args.top_p)
     if args.repetition_penalty:
         gen_kwargs["repetition_penalty"] = args.repetition_penalty
+    if args.compile:
+        gen_kwargs["cache_implementation"] = "static"
 
     if stream:
         print(f"\n>>> {prompts[0]}", flush=True)

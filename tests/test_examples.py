@@ -139,6 +139,16 @@ def test_generate_batch_and_stream(tiny_folder, capsys):
     assert ">>> Hello" in text and "1 prompt(s)" in text and "state bytes:" in text
 
 
+def test_generate_compile_decodes_the_same_tokens(tiny_folder, capsys):
+    """--compile: generate with a static cache (compiled on a GPU; on this CPU transformers does not compile): the
+    tokens of the default run, and the cache it returns is the static one."""
+    gen = load_example("generate")
+    runs = [gen.main(["--model", str(tiny_folder), "--max-new-tokens", "5", "--no-stream", *flag, "Hello", "def f"])
+            for flag in ([], ["--compile"])]
+    assert torch.equal(runs[0].sequences, runs[1].sequences)
+    assert [r.past_key_values.is_compileable for r in runs] == [False, True]
+
+
 def test_generate_left_padded_batch_matches_single_prompts(tiny_folder):
     gen = load_example("generate")
     model, tokenizer = gen.load(str(tiny_folder))
