@@ -716,8 +716,44 @@ def _sink_scores(q, qpos, sink_k, window, rotary, attend):
     keys = sink_k if sink_k.dtype == attend else sink_k.float()
     turned = rotary.turn_back(keys.unsqueeze(1).expand(B, S + W, S, Hkv, D).reshape(B, S + W, S * Hkv, D))
     c = qpos.clamp(min=0, max=S + W - 1) + arange(0, B * (S + W), S + W).view(B, 1)
-    sink_keys = turned.reshape(B * (S + W), S, Hkv, D).index_select(0, c.flatten()).view(B, T, S, Hkv, D)
-    return torch.matmul(q.to(attend).view(B, T, Hkv, H // Hkv, D), sink_keys.to(attend).permute(0, 1, 3, 4, 2))
+    return _SinkScores.apply(q.to(attend).view(B, T, Hkv, H // Hkv, D), turned.reshape(B * (S + W), S, Hkv, D),
+                             c.flatten())
+
+
+class _SinkScores(torch.autograd.Function):
+    """matmul(q [B, T, Hkv, G, D], each query's sink keys, row ``rows`` of ``turned`` [B (S + W), S, Hkv, D]) as
+    autograd computes it, forward and backward, the same operators bit for bit, but backward gathers the keys again
+    from the S + W turned rows of each sequence rather than keeping every query's copy ([B, T, S, Hkv, D]: as many
+    bytes as the keys of the piece, for each sink)."""
+
+    @staticmethod
+    def _folded_keys(q, turned, rows):
+        # matmul folds [B, T, Hkv] into one batch and bmm's the keys in the layout the reshape of their transpose gets
+        B, T, Hkv, G, D = q.shape
+        S = turned.shape[1]
+        keys = turned.index_select(0, rows).view(B, T, S, Hkv, D).to(q.dtype).permute(0, 1, 3, 4, 2)
+        return keys.reshape(B * T * Hkv, D, S)
+
+    @staticmethod
+    def forward(ctx, q, turned, rows):
+        ctx.save_for_backward(q, turned, rows)
+        B, T, Hkv, G, D = q.shape
+        return torch.bmm(q.reshape(-1, G, D), _SinkScores._folded_keys(q, turned, rows)).view(B, T, Hkv, G, -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, turned, rows = ctx.saved_tensors
+        B, T, Hkv, G, D = q.shape
+        S = turned.shape[1]
+        grad = grad.reshape(-1, G, S)
+        dq = dturned = None
+        if ctx.needs_input_grad[0]:
+            dq = torch.bmm(grad, _SinkScores._folded_keys(q, turned, rows).transpose(1, 2)).view(q.shape)
+        if ctx.needs_input_grad[1]:
+            dkeys = torch.bmm(q.reshape(-1, G, D).transpose(1, 2), grad).view(B, T, Hkv, D, S)
+            dkeys = dkeys.permute(0, 1, 4, 2, 3).to(turned.dtype).reshape(B * T, S, Hkv, D)
+            dturned = turned.new_zeros(turned.shape).index_add_(0, rows, dkeys)
+        return dq, dturned, None
 
 
 def _attention_dtype(q: torch.Tensor) -> torch.dtype:

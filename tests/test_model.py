@@ -751,6 +751,39 @@ def test_mixer_matches_brute_force_reference(case):
     assert (want[0, 1:] - want[0, :-1]).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sink_scores_keep_no_copy_of_the_keys_per_query(dtype):
+    """_SinkScores against the autograd expression it stands for (gather each query's row of turned sink keys, then
+    matmul): output and both gradients bit for bit (the CPU's float32 conversion depends on it), in float32 and with
+    bfloat16 queries and keys (a 16-bit model on a GPU); and it keeps for backward only its inputs, not the
+    gathered [B, T, S, Hkv, D] keys autograd keeps. Every row is read, one several times (rows repeat)."""
+    from aaren_hf.modeling_aaren import _SinkScores
+
+    g = torch.Generator().manual_seed(4)
+    B, T, Hkv, G, D, S, W = 2, 37, 3, 2, 16, 2, 5
+    q = torch.randn(B, T, Hkv, G, D, generator=g).to(dtype).requires_grad_()
+    turned = torch.randn(B * (S + W), S, Hkv, D, generator=g).to(dtype).requires_grad_()
+    rows = (torch.randint(0, S + W, (B, T), generator=g) + torch.arange(0, B * (S + W), S + W).view(B, 1)).flatten()
+    rows[: S + W] = torch.arange(S + W)
+    rows[T: T + S + W] = torch.arange(S + W, 2 * (S + W))
+    weight = torch.randn(B, T, Hkv, G, S, generator=g).to(dtype)
+    results, saved = [], []
+    for scores in (lambda: _SinkScores.apply(q, turned, rows),
+                   lambda: torch.matmul(q, turned.index_select(0, rows).view(B, T, S, Hkv, D).permute(0, 1, 3, 4, 2))):
+        q.grad = turned.grad = None
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            out = scores()
+        (out * weight).sum().backward()
+        results.append((out.detach(), q.grad, turned.grad))
+        saved.append(None)
+    for got, want in zip(*results):
+        assert got.dtype == dtype and torch.equal(got, want)
+    assert (turned.grad.flatten(1).abs().amax(1) > 0).all()  # every row was read
+    mine, autograd = saved[:saved.index(None)], saved[saved.index(None) + 1:-1]
+    assert sum(mine) == q.numel() + turned.numel() + rows.numel()
+    assert sum(autograd) >= sum(mine) - turned.numel() - rows.numel() + B * T * S * Hkv * D
+
+
 @pytest.mark.parametrize("shared_keys", [True, False])
 @pytest.mark.parametrize("window,sinks,split", [(4, 0, 6), (4, 2, 6), (3, 3, 1), (5, 2, 9), (16, 2, 4)])
 def test_window_branch_matches_brute_force(window, sinks, split, shared_keys, monkeypatch):
