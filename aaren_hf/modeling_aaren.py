@@ -219,15 +219,20 @@ class AarenCache(Cache):
 
     def hold_still(self, device: torch.device):
         """After a call outside torch.compile: mark every tensor a compiled step writes as a fixed address (without
-        it, CUDA graphs skip a graph that writes its inputs)."""
-        if self._seen_in_graph is None:
-            self._seen_in_graph = torch.zeros((), dtype=torch.long, device=device)
-        held = [self._seen_in_graph, self.real_tokens]
-        for layer in self.layers:
-            held.extend(layer.tensors().values())
-        for t in held:
-            if t is not None:
-                torch._dynamo.mark_static_address(t)
+        it, CUDA graphs skip a graph that writes its inputs), as a normal tensor where the call made an inference
+        tensor (under inference_mode), which a compiled step outside inference_mode could not write."""
+        with torch.inference_mode(False):
+            if self._seen_in_graph is None:
+                self._seen_in_graph = torch.zeros((), dtype=torch.long, device=device)
+            held = [(self, "_seen_in_graph"), (self, "real_tokens")]
+            held += [(layer, name) for layer in self.layers for name in layer.tensors()]
+            for holder, name in held:
+                t = getattr(holder, name)
+                if t is not None and t.is_inference():
+                    t = t.clone()
+                    setattr(holder, name, t)
+                if t is not None:
+                    torch._dynamo.mark_static_address(t)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen_tokens

@@ -328,6 +328,32 @@ def test_a_static_cache_decodes_with_one_graph_a_cuda_graph_can_replay(case, mon
     assert all(getattr(inputs[i], "_dynamo_static_input_type", None) for i in written)
 
 
+def test_a_static_cache_made_under_inference_mode_decodes_compiled_outside_it(monkeypatch):
+    """A prompt under torch.inference_mode() leaves inference tensors, which take no in-place write outside it, and
+    inside a graph nobody can ask: the static cache holds normal tensors after each eager call. Compiled steps under
+    no_grad then give the eager steps' logits."""
+    monkeypatch.setattr(modeling, "launch_bound", lambda device: True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model = tiny_model(chunk_size=16, **MIXER_CASES["memory_int4_hadamard"])
+    ids = random_ids(2, 16, seed=2)
+    eager, static = AarenCache(model.config), AarenCache(model.config, static=True)
+    with torch.inference_mode():
+        for cache in (eager, static):
+            model(ids[:, :12], past_key_values=cache, use_cache=True)
+    assert all(not t.is_inference() for layer in static.layers for t in layer.tensors().values())
+    torch._dynamo.reset()
+    step = torch.compile(lambda i, c: model(i, past_key_values=c, use_cache=True).logits, fullgraph=True,
+                         backend="eager")
+    try:
+        with torch.no_grad():
+            for t in range(12, 16):
+                want = model(ids[:, t:t + 1], past_key_values=eager, use_cache=True).logits
+                torch.testing.assert_close(step(ids[:, t:t + 1], static), want, atol=1e-5, rtol=0)
+    finally:
+        torch._dynamo.reset()
+    assert static.seen_tokens == 16
+
+
 def test_a_static_cache_refuses_lengths_past_a_learned_position_table():
     model = tiny_model(**MIXER_CASES["gpt2_like_window"])
     limit = model.config.max_position_embeddings
