@@ -219,8 +219,9 @@ class AarenCache(Cache):
 
     def hold_still(self, device: torch.device):
         """After a call outside torch.compile: mark every tensor a compiled step writes as a fixed address (without
-        it, CUDA graphs skip a graph that writes its inputs), as a normal tensor where the call made an inference
-        tensor (under inference_mode), which a compiled step outside inference_mode could not write."""
+        it, CUDA graphs skip a graph that writes its inputs). Each is made contiguous (a prompt leaves views whose
+        strides follow its length: the compiled step would recompile for each prompt length) and a normal tensor
+        (one made under inference_mode takes no write from a compiled step outside it)."""
         with torch.inference_mode(False):
             if self._seen_in_graph is None:
                 self._seen_in_graph = torch.zeros((), dtype=torch.long, device=device)
@@ -228,11 +229,12 @@ class AarenCache(Cache):
             held += [(layer, name) for layer in self.layers for name in layer.tensors()]
             for holder, name in held:
                 t = getattr(holder, name)
-                if t is not None and t.is_inference():
-                    t = t.clone()
+                if t is None:
+                    continue
+                if t.is_inference() or not _dense(t):
+                    t = t.clone(memory_format=torch.contiguous_format)
                     setattr(holder, name, t)
-                if t is not None:
-                    torch._dynamo.mark_static_address(t)
+                torch._dynamo.mark_static_address(t)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen_tokens
@@ -975,6 +977,17 @@ def _write(holder, name: str, new: torch.Tensor):
         setattr(holder, name, new)  # (an inference tensor, made under inference_mode, takes no writes outside it)
     else:
         held.copy_(new)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether t has the strides of a new contiguous tensor of its shape, size-1 dimensions included (which
+    ``is_contiguous`` overlooks and torch.compile guards on: a batch-1 prompt leaves such views)."""
+    step = 1
+    for size, stride in zip(reversed(t.shape), reversed(t.stride())):
+        if stride != step:
+            return False
+        step *= max(size, 1)
+    return True
 
 
 def _compiling() -> bool:

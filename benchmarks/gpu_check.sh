@@ -48,8 +48,9 @@ timeout 150 python3 -m pytest -v -p no:cacheprovider -m requires_gpu -rfE tests/
 timeout 170 python3 benchmarks/bench_model.py --device cuda --train none --repeats 2 --steps 16 --profile \
   --json "$LOG/bench_model.json" 2>&1 | tee "$LOG/bench_model.log" | grep -v "^\["
 # decoding as generate(cache_implementation="static") runs it: teacher (StaticCache) and student (static AarenCache)
-# each compiled by inductor into CUDA graphs, batch 1, where eager decoding is bound by launches
-timeout 110 python3 benchmarks/bench_model.py --device cuda --models teacher,aaren --prompts none --train none \
+# each compiled by inductor into CUDA graphs, batch 1, where eager decoding is bound by launches; the log says
+# whether a step recompiled or skipped CUDA graphs, and why
+TORCH_LOGS=recompiles,perf_hints timeout 110 python3 benchmarks/bench_model.py --device cuda --models teacher,aaren --prompts none --train none \
   --generate 1x4k --steps 32 --compile-decode inductor --json "$LOG/bench_model_graphs.json" 2>&1 \
   | tee "$LOG/bench_model_graphs.log" | grep -v "^\["
 timeout 60 python3 benchmarks/bench_model.py --device cuda --prompts none --generate none --repeats 2 --profile \

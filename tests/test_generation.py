@@ -285,18 +285,19 @@ def _written_inputs(graph, inputs):
     return [i for i, x in enumerate(clones) if x.untyped_storage().data_ptr() in written]
 
 
-@pytest.mark.parametrize("case", ["window_sinks", "memory_int4_hadamard", "memory_shared", "gemma_block"])
-def test_a_static_cache_decodes_with_one_graph_a_cuda_graph_can_replay(case, monkeypatch):
+@pytest.mark.parametrize("case,rows", [("window_sinks", 2), ("memory_int4_hadamard", 2), ("memory_shared", 2),
+                                       ("gemma_block", 2), ("window_sinks", 1), ("memory_int4_hadamard", 1)])
+def test_a_static_cache_decodes_with_one_graph_a_cuda_graph_can_replay(case, rows, monkeypatch):
     """generate(cache_implementation="static") compiles the decode step (transformers' auto-compile, allowed on a
-    CPU here) as a GPU runs it. What CUDA graphs need of it: one graph serves every step of two generate calls
-    (recompiling is an error), with the eager tokens (left padding); none of its inputs is a Python number (a CUDA
+    CPU here) as a GPU runs it. What CUDA graphs need of it: one graph serves every step of two generate calls with
+    prompts of other lengths (recompiling is an error), with the eager tokens (left padding); none of its inputs is
+    a Python number (a CUDA
     graph is recorded per value of one); it writes every tensor of the cache in place, and each input it writes is
     marked as a fixed address (CUDA graphs skip a graph that writes any other input). Traced by a backend that keeps
     the graph and runs it as it is."""
     monkeypatch.setattr(modeling, "launch_bound", lambda device: True)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     model = tiny_model(chunk_size=16, **MIXER_CASES[case])
-    ids, mask = left_pad([random_ids(1, 13, seed=2)[0], random_ids(1, 10, seed=3)[0]])
     graphs = []
 
     def keep(graph, inputs):
@@ -305,10 +306,11 @@ def test_a_static_cache_decodes_with_one_graph_a_cuda_graph_can_replay(case, mon
 
     config = CompileConfig(backend=keep, fullgraph=True, mode=None)
     config._compile_all_devices = True  # transformers' switch to compile on a CPU too
-    eager = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
     torch._dynamo.reset()
     try:
-        for _ in range(2):
+        for lengths in ((13, 10), (8, 11)):
+            ids, mask = left_pad([random_ids(1, n, seed=n)[0] for n in lengths[:rows]])
+            eager = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
             with torch._dynamo.config.patch(error_on_recompile=True):
                 out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
                                      cache_implementation="static", compile_config=config,
@@ -317,7 +319,8 @@ def test_a_static_cache_decodes_with_one_graph_a_cuda_graph_can_replay(case, mon
     finally:
         torch._dynamo.reset()
     cache = out.past_key_values
-    assert cache.is_compileable and cache.seen_tokens == 13 + 7 and cache.real_tokens.tolist() == [20, 17]
+    assert cache.is_compileable and cache.seen_tokens == 8 + 3 * (rows - 1) + 7
+    assert cache.real_tokens.tolist() == [15, 18][:rows]
     assert len(graphs) == 1
     graph, inputs = graphs[0]
     assert all(isinstance(x, torch.Tensor) for x in inputs)
