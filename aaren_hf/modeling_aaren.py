@@ -229,7 +229,7 @@ class AarenCache(Cache):
             held += [(layer, name) for layer in self.layers for name in layer.tensors()]
             for holder, name in held:
                 t = getattr(holder, name)
-                if t is None:
+                if t is None or hasattr(t, "_dynamo_static_input_type"):  # held still since an earlier call
                     continue
                 if t.is_inference() or not _dense(t):
                     t = t.clone(memory_format=torch.contiguous_format)
@@ -972,11 +972,16 @@ def _write(holder, name: str, new: torch.Tensor):
     held = getattr(holder, name)
     if held is new:
         return
-    if (held is None or held.shape != new.shape or held.dtype != new.dtype
-            or (not _compiling() and held.is_inference() and not torch.is_inference_mode_enabled())):
-        setattr(holder, name, new)  # (an inference tensor, made under inference_mode, takes no writes outside it)
+    if held is None or held.shape != new.shape or held.dtype != new.dtype or not _takes_writes(held):
+        setattr(holder, name, new)
     else:
         held.copy_(new)
+
+
+def _takes_writes(t: torch.Tensor) -> bool:
+    """Whether t may be written in place: not a tensor made under inference_mode while that is off (inside a graph
+    nobody can ask; :meth:`AarenCache.hold_still` keeps a static cache's tensors normal for it)."""
+    return _compiling() or not t.is_inference() or torch.is_inference_mode_enabled()
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -1651,8 +1656,8 @@ class AarenMixer(nn.Module):
         entry.update(pos=state.window_pos[:, :1].expand(B, Hkv), score=state.window_score[:, 0])
         for name, new in entry.items():
             slots = getattr(state, "memory_" + name)
-            if not _compiling() and slots.is_inference() and not torch.is_inference_mode_enabled():
-                slots = slots.clone()  # a state made under inference_mode, continued outside it (generate's no_grad)
+            if not _takes_writes(slots):  # a state made under inference_mode, continued outside it (generate's no_grad)
+                slots = slots.clone()
                 setattr(state, "memory_" + name, slots)
             rest = (1,) * (slots.dim() - 3)
             slot = weakest.view(B, Hkv, 1, *rest).expand(B, Hkv, 1, *slots.shape[3:])
