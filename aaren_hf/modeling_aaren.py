@@ -502,7 +502,7 @@ def float32_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sink_pos, window, rotary, scale,
-                     memory=None):
+                     memory=None, mix=None):
     """Exact softmax attention of each token over the last ``window`` tokens, plus sink tokens outside the window.
 
     q [B, T, H, D] (not rotated); k, v [B, T, Hkv, D] (k rotated at pos); pos [B, T] (-1: padding); ``rotary``: the
@@ -518,7 +518,8 @@ def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sin
     evict [B, Hkv, C], last [T + 1] from :func:`memory_visibility`, its size M); its keys join the same softmax.
     Each block gathers only the candidates some query of the block sees (at most M + Q), so this part costs
     O(T * (M + Q)) too.
-    Returns [B, T, H, D]; a token that sees no valid key (padding) gets 0.
+    Returns [B, T, H, D]; a token that sees no valid key (padding) gets 0. With ``mix`` that output mixed with the
+    Aaren branch's, as :func:`mix_branches` mixes them (on a GPU inside the kernel's autograd Function).
     """
     B, T, H, D = q.shape
     Hkv = k.shape[2]
@@ -527,7 +528,7 @@ def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sin
     if takes_triton(fused_window_attention, q) or (
             takes_c(window_attention_cpu, q) and window_cpu_takes(q, k, v)):
         return _window_attention_fused(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sink_pos, window,
-                                       rotary, scale, memory)
+                                       rotary, scale, memory, mix)
     k_all, v_all, pos_all = after_held(k_prev, k), after_held(v_prev, v), after_held(pos_prev, pos)
     # Re-index keys so that query block n sees keys [n * Q, n * Q + W - 1 + Q): pad or drop on the left.
     shift = (W - 1) - k_prev.shape[1]
@@ -620,11 +621,12 @@ def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sin
         outs.append(o.view(B, nb, Hkv, G, Q, Dx))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
     out = out[..., :D].permute(0, 1, 4, 2, 3, 5).reshape(B, Tp, H, D)[:, :T]
-    return out.masked_fill((pos < 0).view(B, T, 1, 1), 0.0).to(q.dtype)  # not in place: out may view SDPA's own
+    # not in place: out may view SDPA's own
+    return mix_branches(out.masked_fill((pos < 0).view(B, T, 1, 1), 0.0).to(q.dtype), mix)
 
 
 def _window_attention_fused(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sink_pos, window, rotary,
-                            scale, memory):
+                            scale, memory, mix=None):
     """:func:`window_attention` by a kernel: the Triton one on a GPU (kernels/window/chunk.py), the C one on a CPU
     (kernels/window/chunk.c, where ``window_cpu_takes`` says so). Both have their backward. The window's keys are
     read where they lie, the memory's through each block's list of candidates, the queries are turned as they are
@@ -660,9 +662,15 @@ def _window_attention_fused(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink
             nblk = -(-T // WINDOW_BLOCK)
             lists += _memory_lists(evict, last, T, nblk, WINDOW_BLOCK, width=size + WINDOW_BLOCK)
     sinks = None if S == 0 else (sink_s, sink_v.to(attend), sink_pos)  # the kernels decide which a query sees
+    if in_triton and mix is not None and mix[0].dtype == q.dtype and _trains(q, k, v, *mix):
+        # mixed in the kernel's Function, whose backward rebuilds the window's output from the mixed one (which the
+        # output projection keeps anyway) and the branches' difference: training keeps no window output besides
+        o, gate = mix
+        return fused_window_attention(q_in, pos, ks, vs, spos, k_prev.shape[1], window, scale, lists, sinks, angles,
+                                      (o, mix_weight(o, gate)))
     kernel = fused_window_attention if in_triton else window_attention_cpu
     out = kernel(q_in, pos, ks, vs, spos, k_prev.shape[1], window, scale, lists, sinks, angles)
-    return out.to(q.dtype)
+    return mix_branches(out.to(q.dtype), mix)
 
 
 def fill_sinks(k, v, pos, sink_k, sink_v, sink_pos):
@@ -1013,14 +1021,44 @@ def _autocast_on(device_type: str) -> bool:
 def mix_branches(o_win: torch.Tensor, mix=None) -> torch.Tensor:
     """A layer's output from its window branch's o_win [B, T, H, D]: as it is, or with ``mix`` = (the Aaren
     branch's output o [B, T, H, D], gate logits [H] or [B, T, H]) lerp(o, o_win, sigmoid(gate)) in o's dtype
-    (float32 inside), as the slots are mixed. The sigmoid of a gate already in o's dtype is taken in it: torch
-    computes a 16-bit sigmoid in float32 and rounds once, the bits of the float32 sigmoid cast (checked on every
-    bfloat16 and float16 value), without two casts each way (a 16-bit train step)."""
+    (float32 inside), as the slots are mixed."""
     if mix is None:
         return o_win
     o, gate = mix
-    weight = torch.sigmoid(gate if gate.dtype == o.dtype else gate.float())
-    return torch.lerp(o, o_win.to(o.dtype), weight.unsqueeze(-1).to(o.dtype))
+    mixed = _Lerp.apply if _trains(o, o_win, gate) else torch.lerp
+    return mixed(o, o_win.to(o.dtype), mix_weight(o, gate))
+
+
+def _trains(*tensors) -> bool:
+    """Whether autograd records a step on these tensors (else what a backward would keep is computed for nothing)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def mix_weight(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """The window branch's share sigmoid(gate) [H, 1] or [B, T, H, 1] in o's dtype, for :func:`mix_branches`. The
+    sigmoid of a gate already in o's dtype is taken in it: torch computes a 16-bit sigmoid in float32 and rounds once,
+    the bits of the float32 sigmoid cast (checked on every bfloat16 and float16 value), without two casts each way
+    (a 16-bit train step)."""
+    return torch.sigmoid(gate if gate.dtype == o.dtype else gate.float()).unsqueeze(-1).to(o.dtype)
+
+
+class _Lerp(torch.autograd.Function):
+    """torch.lerp(start, end, weight) with autograd's formulas for it, the same bits, keeping for backward the
+    difference end - start that the weight's gradient reads rather than both ends: one tensor of the output's size,
+    not two (the Aaren and window branches' outputs of every layer, in training)."""
+
+    @staticmethod
+    def forward(ctx, start, end, weight):
+        ctx.save_for_backward(end - start, weight)
+        return torch.lerp(start, end, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        diff, weight = ctx.saved_tensors
+        # broadcast gradients: autograd sums each to its input's shape, as it does lerp's own
+        needs = ctx.needs_input_grad
+        return (grad * (1 - weight) if needs[0] else None, grad * weight if needs[1] else None,
+                grad * diff if needs[2] else None)
 
 
 def round_retention(score: torch.Tensor) -> torch.Tensor:
@@ -1450,8 +1488,9 @@ class AarenMixer(nn.Module):
     def window_branch(self, q, k, v, pos, state, retention=None, shared: Optional[dict] = None, mix=None):
         """The window branch's output [B, T, H, D] (window, sinks, memory), leaving the next state in ``state``;
         with ``mix`` (the Aaren branch's output, the gate logits) the layer's: the two branches mixed by
-        :func:`mix_branches` (here, so that a decode step's kernel can mix them in its own launch). ``retention``:
-        :meth:`retention_score`'s, ranked (:meth:`ranking_score`) here or in the step's kernel."""
+        :func:`mix_branches` (here, so that a decode step's kernel can mix them in its own launch, and training's
+        window kernel in its Function). ``retention``: :meth:`retention_score`'s, ranked (:meth:`ranking_score`) here
+        or in the step's kernel."""
         B, T, Hkv, D = k.shape
         if self.steps_one_token(state, T):
             return self.window_step(q, k, v, pos, state, retention, shared, mix)
@@ -1488,9 +1527,8 @@ class AarenMixer(nn.Module):
         memory = None
         if self.memory_size > 0:
             memory, candidates = self.memory_candidates(k, v, pos, retention, k_prev, v_prev, pos_prev, state)
-        out = window_attention(
-            q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sink_pos, self.window, rotary, self.scale, memory,
-        )
+        out = window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sink_pos, self.window, rotary,
+                               self.scale, memory, mix)
         if state is not None:
             if prefilled is None:
                 window = next_window(k_prev, v_prev, pos_prev, k, v, pos, self.window,
@@ -1500,7 +1538,7 @@ class AarenMixer(nn.Module):
             if memory is not None:
                 state.window_score = window["score"]
                 self.keep_memory(state, candidates, stored)
-        return mix_branches(out, mix)
+        return out
 
     def steps_one_token(self, state, T):
         """Whether this call is a decode step: one token, no gradient (inference), and a carried state (the general

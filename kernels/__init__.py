@@ -135,12 +135,13 @@ def fused_aaren_step(q, k, v, mask, state, queries, log_decay, decay_in, scale):
     return aaren_step_triton(q, k, v, mask, state, queries, log_decay, decay_in, scale)
 
 
-def fused_window_attention(q, qpos, ks, vs, spos, P0, window, scale, memory=None, sinks=None, angles=None):
+def fused_window_attention(q, qpos, ks, vs, spos, P0, window, scale, memory=None, sinks=None, angles=None, mix=None):
     """The window branch's attention in Triton (``window/chunk.py``; reference: ``window_attention``'s PyTorch path
-    in modeling_aaren.py). Callers check ``select_backend(q) == "triton"`` first."""
+    in modeling_aaren.py), mixed with the Aaren branch's output where ``mix`` says so. Callers check
+    ``select_backend(q) == "triton"`` first."""
     from .window.chunk import window_attention_triton
 
-    return window_attention_triton(q, qpos, ks, vs, spos, P0, window, scale, memory, sinks, angles)
+    return window_attention_triton(q, qpos, ks, vs, spos, P0, window, scale, memory, sinks, angles, mix)
 
 
 def fused_window_step(q, k, v, pos, angles, sink_turn, state, retention, share, window, sinks, memory_size, bits,

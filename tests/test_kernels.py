@@ -1160,6 +1160,56 @@ def test_window_kernel_16_bit_inputs(dtype):
         assert (a.double() - b).abs().max() <= 2e-2 * (1 + b.abs().max()), name
 
 
+@needs_triton
+@pytest.mark.parametrize("dtype,per_token", [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)])
+def test_window_kernel_mixed_with_the_aaren_branch_keeps_one_tensor_more(dtype, per_token):
+    """``mix``: the output and the Aaren output's and gate's gradients bit for bit those of the kernel followed by
+    ``mix_branches`` (the same lerp and formulas), the rest within float rounding (the backward's softmax row sums
+    read o rebuilt from the mixed output); kept for backward, of the output's size: q, the output (which the layer's
+    output projection keeps anyway) and one more, where the two steps apart keep q, o and one more."""
+    from aaren_hf.modeling_aaren import mix_branches, mix_weight
+
+    x, args, mem, sink = window_inputs(dtype=dtype)
+    B, T, H, D = x["q"].shape
+    gen = torch.Generator().manual_seed(3)
+    x["a"] = torch.randn(B, T, H, D, generator=gen).to(dtype)
+    x["gate"] = (torch.randn(B, T, H, generator=gen) * 3).to(dtype) if per_token else torch.randn(H, generator=gen)
+    window_only = {n: t for n, t in x.items() if n not in ("a", "gate")}
+
+    def apart(leaves, args_, memory, sink_):
+        o = run_window({n: leaves[n] for n in window_only}, args_, memory, sink_)
+        return mix_branches(o, (leaves["a"], leaves["gate"]))
+
+    def mixed(leaves, args_, memory, sink_):
+        from aaren_hf.kernels import fused_window_attention
+
+        a = leaves["a"]
+        lists = (leaves["mk"], leaves["mv"]) + tuple(memory)
+        return fused_window_attention(leaves["q"], args_["qpos"], leaves["ks"], leaves["vs"], args_["spos"],
+                                      args_["P0"], args_["window"], args_["scale"], lists,
+                                      (leaves["sink_s"], leaves["sink_v"], sink_), None,
+                                      (a, mix_weight(a, leaves["gate"])))
+
+    kept = {}
+
+    def pack(t):
+        if t.numel() == B * T * H * D:
+            kept[t.untyped_storage().data_ptr()] = t
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        got, names = window_grads(mixed, x, args, mem, sink)
+    want, _ = window_grads(apart, x, args, mem, sink)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    for name, a, b in zip(names, got, want):
+        assert a.dtype == b.dtype and torch.isfinite(a).all(), name
+        if name in ("o", "a", "gate"):
+            assert torch.equal(a, b), name
+        else:
+            assert (a.float() - b.float()).abs().max() <= tolerance * (1 + b.float().abs().max()), name
+    assert len(kept) == 3 and got[0].untyped_storage().data_ptr() in kept  # q, the mixed output, the difference
+
+
 def run_window_cpu(x, args, memory, sink, angles=None):
     from aaren_hf.kernels.window import window_attention_cpu
 

@@ -14,7 +14,11 @@ at most M + BQ), and decides what each query sees from positions and indices as 
               to another position for it) and whether query i sees it
 
 Online softmax in float32 (scores, running max and sum, output); what is saved for backward is the inputs, o and the
-per-row log-sum-exp. The queries may come as they were projected, with their rotary angles: each program turns its
+per-row log-sum-exp. In a layer with an Aaren branch the output may leave mixed with that branch's (``mix``:
+``mix_branches``' lerp and its gradients, autograd's formulas): then o is not kept but rebuilt in backward from the
+mixed output, which the layer's output projection keeps anyway, and the branches' difference, which the gate's
+gradient reads, so training keeps one tensor of the output's size where the two steps apart keep three (o, the Aaren
+output, the mixed output). The queries may come as they were projected, with their rotary angles: each program turns its
 block as it reads it, so no turned copy is written, nor kept for training (a layer's largest input). The backward
 recomputes the probabilities from the lse, writes dq per program and adds dk and dv of the keys it read with float32
 atomics (a key is read by up to two blocks of the window and by every block of its memory stretch, for each of the G
@@ -221,7 +225,7 @@ def _window_bwd_kernel(
 class WindowAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, ks, vs, mk, mv, sink_s, sink_v, qpos, spos, evict, last, idx, counts, sink_pos, cos, sin,
-                P0, W, scale):
+                P0, W, scale, o_aaren=None, weight=None):
         B, T, H, D = q.shape
         Ls, Hkv, S = ks.shape[1], ks.shape[2], sink_v.shape[1]
         C, NB, K = mk.shape[2], idx.shape[1], idx.shape[3]
@@ -235,15 +239,33 @@ class WindowAttentionFunction(torch.autograd.Function):
         get_kernel(_window_fwd_kernel, key=("D", "HAS_MEM", "ROT"))[grid](
             q, qpos, cos, sin, ks, vs, spos, mk, mv, evict, last, idx, counts, sink_s, sink_v, sink_pos, o, lse, *args,
             **meta, enable_fp_fusion=False)
-        ctx.save_for_backward(q, ks, vs, mk, mv, sink_s, sink_v, qpos, spos, evict, last, idx, counts, sink_pos, cos,
-                              sin, o, lse)
         ctx.args, ctx.meta, ctx.grid = args, meta, grid
-        return o
+        inputs = (q, ks, vs, mk, mv, sink_s, sink_v, qpos, spos, evict, last, idx, counts, sink_pos, cos, sin, lse)
+        ctx.mixed = o_aaren is not None
+        if not ctx.mixed:
+            ctx.save_for_backward(*inputs, o)
+            return o
+        o = o.to(o_aaren.dtype)
+        out = torch.lerp(o_aaren, o, weight)
+        ctx.save_for_backward(*inputs, out, o - o_aaren, weight)
+        return out
 
     @staticmethod
     def backward(ctx, do):
-        (q, ks, vs, mk, mv, sink_s, sink_v, qpos, spos, evict, last, idx, counts, sink_pos, cos, sin, o,
-         lse) = ctx.saved_tensors
+        (q, ks, vs, mk, mv, sink_s, sink_v, qpos, spos, evict, last, idx, counts, sink_pos, cos, sin, lse,
+         *kept) = ctx.saved_tensors
+        mixed = ()
+        if ctx.mixed:
+            out, diff, weight = kept
+            # lerp(a, o, w) = a + w (o - a), so o = out + (1 - w) (o - a), rounded once to out's dtype as o was (the
+            # kernel reads it for the softmax's row sums only); the gradients of the Aaren output and the weight as
+            # autograd forms lerp's (broadcast: it sums each to its input's shape)
+            rest = 1 - weight
+            kept = [torch.addcmul(out, diff, rest)]
+            needs = ctx.needs_input_grad
+            mixed = (do * rest if needs[19] else None, do * diff if needs[20] else None)
+            do = do * weight
+        o, = kept
         do = do.contiguous()
         # dq and the sinks' score gradients are written once, in their inputs' dtype; the kernel adds into the
         # others (atomics, float32), which share one buffer: one fill, and one cast back where their dtypes agree
@@ -263,10 +285,11 @@ class WindowAttentionFunction(torch.autograd.Function):
         if len(dtypes) == 1:
             flat = flat.to(dtypes.pop())
         dks, dvs, dmk, dmv, dsink_v = (part.view(t.shape).to(t.dtype) for part, t in zip(flat.split(sizes), added))
-        return (dq, dks, dvs, dmk, dmv, dsink_s, dsink_v) + (None,) * 12
+        return (dq, dks, dvs, dmk, dmv, dsink_s, dsink_v) + (None,) * 12 + mixed
 
 
-def window_attention_triton(q, qpos, ks, vs, spos, P0, window, scale, memory=None, sinks=None, angles=None):
+def window_attention_triton(q, qpos, ks, vs, spos, P0, window, scale, memory=None, sinks=None, angles=None,
+                            mix=None):
     """Softmax attention of each query over its window, the memory candidates it sees and the sinks it sees.
 
     q [B, T, H, D] rotated at its position, or with ``angles`` (cos, sin [B, T, 1, rot] float32, as
@@ -277,8 +300,9 @@ def window_attention_triton(q, qpos, ks, vs, spos, P0, window, scale, memory=Non
     C, D], evict [B, Hkv, C], last [T + 1], idx [B, NB, Hkv, K] the candidates each block of BQ queries may see,
     seen ones first, counts [NB] how many of them the block needs at most) as ``_memory_blocks`` gives them with Q =
     BQ. ``sinks``: None or (scores [B, T, H, S], values [B, S, Hkv, D], positions [B, S], -1 where empty: a query at
-    p sees a sink at s <= p - W). Returns [B, T, H, D] in q's dtype; gradients flow to q, ks, vs, the memory's keys
-    and values and the sinks' scores and values.
+    p sees a sink at s <= p - W). ``mix``: None or (the Aaren branch's output a [B, T, H, D], the window's share w
+    [H, 1] or [B, T, H, 1] in a's dtype): then lerp(a, o, w) (``mix_branches``). Returns [B, T, H, D] in q's dtype
+    (mixed: a's); gradients flow to q, ks, vs, the memory's keys and values, the sinks' scores and values, a and w.
     """
     B, T, H, D = q.shape
     Hkv = ks.shape[2]
@@ -300,4 +324,4 @@ def window_attention_triton(q, qpos, ks, vs, spos, P0, window, scale, memory=Non
     c = lambda x: x.contiguous()  # noqa: E731
     return WindowAttentionFunction.apply(
         c(q), c(ks), c(vs), c(mk), c(mv), c(sink_s), c(sink_v), c(qpos), c(spos), c(evict), c(last), c(idx),
-        c(counts), c(sink_pos), cos, sin, int(P0), int(window), float(scale))
+        c(counts), c(sink_pos), cos, sin, int(P0), int(window), float(scale), *(mix or ()))
