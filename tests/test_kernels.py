@@ -1167,27 +1167,32 @@ def test_window_kernel_mixed_with_the_aaren_branch_keeps_one_tensor_more(dtype, 
     ``mix_branches`` (the same lerp and formulas), the rest within float rounding (the backward's softmax row sums
     read o rebuilt from the mixed output); kept for backward, of the output's size: q, the output (which the layer's
     output projection keeps anyway) and one more, where the two steps apart keep q, o and one more."""
+    check_mixed_window(window_inputs(dtype=dtype), per_token)
+
+
+def check_mixed_window(inputs, per_token):
+    from aaren_hf.kernels import fused_window_attention
     from aaren_hf.modeling_aaren import mix_branches, mix_weight
 
-    x, args, mem, sink = window_inputs(dtype=dtype)
+    x, args, mem, sink = inputs
     B, T, H, D = x["q"].shape
+    dtype, device = x["q"].dtype, x["q"].device
     gen = torch.Generator().manual_seed(3)
-    x["a"] = torch.randn(B, T, H, D, generator=gen).to(dtype)
-    x["gate"] = (torch.randn(B, T, H, generator=gen) * 3).to(dtype) if per_token else torch.randn(H, generator=gen)
-    window_only = {n: t for n, t in x.items() if n not in ("a", "gate")}
+    x["a"] = torch.randn(B, T, H, D, generator=gen).to(device, dtype)
+    gate = torch.randn(B, T, H, generator=gen).to(dtype) * 3 if per_token else torch.randn(H, generator=gen)
+    x["gate"] = gate.to(device)
+    window_only = [n for n in x if n not in ("a", "gate")]
 
     def apart(leaves, args_, memory, sink_):
         o = run_window({n: leaves[n] for n in window_only}, args_, memory, sink_)
         return mix_branches(o, (leaves["a"], leaves["gate"]))
 
     def mixed(leaves, args_, memory, sink_):
-        from aaren_hf.kernels import fused_window_attention
-
         a = leaves["a"]
-        lists = (leaves["mk"], leaves["mv"]) + tuple(memory)
+        lists = (leaves["mk"], leaves["mv"]) + tuple(t.to(device) for t in memory)
         return fused_window_attention(leaves["q"], args_["qpos"], leaves["ks"], leaves["vs"], args_["spos"],
                                       args_["P0"], args_["window"], args_["scale"], lists,
-                                      (leaves["sink_s"], leaves["sink_v"], sink_), None,
+                                      (leaves["sink_s"], leaves["sink_v"], sink_.to(device)), None,
                                       (a, mix_weight(a, leaves["gate"])))
 
     kept = {}
@@ -1592,3 +1597,12 @@ def test_gpu_window_kernel_vs_dense(dtype):
     for name, a, b in zip(names, got, want):
         assert a.dtype == dtype and torch.isfinite(a).all(), name
         assert (a.double() - b).abs().max() <= (2e-2 if dtype == torch.bfloat16 else 1e-3) * (1 + b.abs().max()), name
+
+
+@pytest.mark.requires_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_window_kernel_mixed_with_the_aaren_branch(dtype):
+    """The compiled window kernel with the Aaren branch mixed in its Function (a gate per token), at SmolLM2's head
+    shape: as the kernel followed by ``mix_branches``, keeping one tensor of the output's size besides q and it."""
+    check_mixed_window(window_inputs(B=2, T=1000, H=9, Hkv=3, D=64, P0=63, W=64, C=600, S=1, dtype=dtype,
+                                     device="cuda"), per_token=True)
