@@ -3,21 +3,27 @@
 """Bytes a training forward keeps for backward, per layer, teacher against student, counted on the CPU as a GPU runs
 the student (``modeling_aaren.launch_bound`` answering yes, the scan through the Triton kernels in Triton's
 interpreter, window attention in the model's 16-bit dtype as on CUDA): the activation memory of a train step, which
-on a GPU is most of its peak. Deterministic: every distinct storage a ``saved_tensors_hooks`` pack sees, parameters
-excluded, summed per source line of the model code that saved it. The embedding and the logits are left out (the
-same in both models). What it cannot see: temporaries freed within the forward, the backward's own peak.
+on a GPU is most of its peak; ``--as-cpu``: as a CPU trains it (a conversion: float32, the C window kernel, the
+chunked PyTorch scan). Deterministic: every distinct storage the graph still holds for backward when the forward
+returns (a ``saved_tensors_hooks`` pack per saved tensor, counted if it is still alive then), parameters excluded,
+summed per source line of the model code that saved it. The embedding and the logits are left out (the same in both
+models). What it cannot see: temporaries freed within the forward, the backward's own peak.
 
     python -P benchmarks/saved_memory.py                          # SmolLM2-135M's shape, 1 layer, 1 x 2,048, bf16
     python -P benchmarks/saved_memory.py --tokens 8192 --attention-dtype float32
     python -P benchmarks/saved_memory.py --window pytorch        # window attention as before aa87c5d
+    python -P benchmarks/saved_memory.py --as-cpu --dtype float32
 """
 
 import argparse
 import collections
 import contextlib
+import gc
+import itertools
 import os
 import sys
 import traceback
+import weakref
 from unittest import mock
 
 import torch
@@ -30,23 +36,38 @@ import aaren_hf.modeling_aaren as modeling  # noqa: E402
 OUTSIDE_LAYERS = ("lm_head", "embed_tokens")  # in both models alike
 
 
+class _Kept:
+    """A saved tensor as the graph holds it, with the source line that saved it and when."""
+
+    def __init__(self, t, where, order):
+        self.t, self.where, self.order = t, where, order
+
+
 def saved_by_line(model, ids):
-    """{source line: bytes} of the storages saved for backward by one forward of ``model`` (parameters excluded)."""
+    """{source line: bytes} of the storages the graph of one forward of ``model`` still holds for backward when the
+    forward returns (parameters excluded): a node whose output was detached (a running max, say) is freed with its
+    saved tensors, which are then not counted. A storage saved from several lines counts once, at the first."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen, by_line = set(), collections.Counter()
+    packed, order = weakref.WeakSet(), itertools.count()
 
     def pack(t):
-        storage = t.untyped_storage()
+        frames = [f for f in traceback.extract_stack()[:-1] if "modeling_" in f.filename or "aaren" in f.filename]
+        where = "?" if not frames else f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno} {frames[-1].line}"
+        # detached: holding a saved output itself would hold its node too (a cycle autograd never frees)
+        kept = _Kept(t.detach(), where, next(order))
+        packed.add(kept)
+        return kept
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda kept: kept.t):
+        out = model(ids, use_cache=False)
+    gc.collect()
+    seen, by_line = set(), collections.Counter()
+    for kept in sorted(packed, key=lambda k: k.order):
+        storage = kept.t.untyped_storage()
         if storage.data_ptr() not in params and storage.data_ptr() not in seen and storage.nbytes():
             seen.add(storage.data_ptr())
-            frames = [f for f in traceback.extract_stack()[:-1] if "modeling_" in f.filename or "aaren" in f.filename]
-            frame = frames[-1] if frames else None
-            where = "?" if frame is None else f"{os.path.basename(frame.filename)}:{frame.lineno} {frame.line}"
-            by_line[where] += storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(ids, use_cache=False)
+            by_line[kept.where] += storage.nbytes()
+    del out
     return by_line
 
 
@@ -65,6 +86,7 @@ def main(argv=None):
     p.add_argument("--window", default="kernel", choices=["kernel", "pytorch"],
                    help="window attention by its Triton kernel, or by the PyTorch path that gathers each block's "
                    "keys and builds its mask (as before aa87c5d)")
+    p.add_argument("--as-cpu", action="store_true", help="as a CPU trains the student (else as a GPU does)")
     p.add_argument("--top", type=int, default=12, help="student source lines to list")
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)
@@ -73,8 +95,9 @@ def main(argv=None):
     # as a GPU runs it (launch_bound below), window attention takes the model's 16-bit dtype; the scan's Triton
     # kernels (interpreted) save what they save on a GPU
     with contextlib.ExitStack() as patches:
-        patches.enter_context(mock.patch.object(modeling, "launch_bound", lambda device: True))
-        patches.enter_context(mock.patch.dict(os.environ, TRITON_INTERPRET="1"))
+        if not args.as_cpu:
+            patches.enter_context(mock.patch.object(modeling, "launch_bound", lambda device: True))
+            patches.enter_context(mock.patch.dict(os.environ, TRITON_INTERPRET="1"))
         if args.attention_dtype == "float32":
             patches.enter_context(mock.patch.object(modeling, "_attention_dtype", lambda q: torch.float32))
         if args.window == "pytorch":
@@ -82,8 +105,10 @@ def main(argv=None):
         result = {name: saved_by_line(model.to(dtype).train(), ids)
                   for name, model in (("teacher", teacher), ("student", student))}
     mib = {name: per_layer(by_line, args.layers) / 2**20 for name, by_line in result.items()}
-    print(f"kept for backward per layer, {args.batch} x {args.tokens} tokens, {args.dtype}, window attention by "
-          f"{'its Triton kernel' if args.window == 'kernel' else 'the PyTorch path'} in {args.attention_dtype}: teacher {mib['teacher']:.1f} MiB, student {mib['student']:.1f} MiB "
+    window = "its C kernel" if args.as_cpu else "its Triton kernel" if args.window == "kernel" else "the PyTorch path"
+    print(f"kept for backward per layer, {args.batch} x {args.tokens} tokens, {args.dtype}, as a "
+          f"{'CPU' if args.as_cpu else 'GPU'} trains it, window attention by {window} in {args.attention_dtype}: "
+          f"teacher {mib['teacher']:.1f} MiB, student {mib['student']:.1f} MiB "
           f"({mib['student'] / mib['teacher']:.2f}x)")
     for where, n in result["student"].most_common(args.top):
         if not any(name in where for name in OUTSIDE_LAYERS):

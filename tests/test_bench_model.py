@@ -201,6 +201,25 @@ def test_saved_memory_counts_what_16_bit_window_attention_saves():
     assert (modeling_aaren.launch_bound, modeling_aaren._attention_dtype, os.environ.get("TRITON_INTERPRET")) == before
 
 
+def test_saved_memory_counts_what_the_graph_still_holds():
+    """saved_memory's count: a node whose output was detached at once is freed with what it saved (a running max),
+    so its input is not counted; what a live node saves is."""
+    import torch
+
+    load_bench()
+    saved_memory = importlib.import_module("saved_memory")
+
+    class Model(torch.nn.Module):
+        def forward(self, x, use_cache=False):
+            y = x * 2.0  # kept by nothing: a product by a number saves no tensor
+            peak = y.amax(-1, keepdim=True).detach()  # amax saves y, but its node goes with the detached output
+            return torch.exp(y - peak)  # saves its result: 4 x 256 float32
+
+    x = torch.randn(4, 256, requires_grad=True)
+    by_line = saved_memory.saved_by_line(Model(), x)
+    assert len(by_line) == 1 and sum(by_line.values()) == 4 * 256 * 4
+
+
 def test_bench_window_times_both_paths_and_checks_they_agree(monkeypatch):
     """benchmarks/bench_window.py on the CPU: the C attention kernel against the PyTorch path (and the PyTorch decode
     step alone), then, with Triton's interpreter, the Triton kernels, whose outputs (and the decode step's state) the
