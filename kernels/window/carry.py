@@ -5,9 +5,10 @@ from (prefill). ``fill_sinks`` and ``next_window`` in aaren_hf/modeling_aaren.py
 ``prefill.c`` their CPU counterpart. The sinks' reference compares every position with every slot number, reduces,
 gathers and selects (about twelve operators in a prefill or a training forward, ten more in backward) for S rows per
 sequence; here one program per (sequence, slot) finds the token at that position and copies its key and value into
-the slot (or keeps the slot's own), and backward copies the slots' gradients back to those tokens. The next window's
-reference concatenates the held window with the piece's keys, values, positions and scores, cuts and pads them (about
-nine operators); here one program per (sequence, window row) copies the row from where it lies. The same bits.
+the slot (or keeps the slot's own), and backward writes the slots' gradients back to those tokens and zeros to every
+other token (no fill before it). The next window's reference concatenates the held window with the piece's keys,
+values, positions and scores, cuts and pads them (about nine operators); here one program per (sequence, window row)
+copies the row from where it lies. The same bits.
 """
 
 import torch
@@ -44,19 +45,24 @@ def _sinks_fwd_kernel(k, v, pos, old_k, old_v, old_pos, new_k, new_v, new_pos, a
     tl.store(at + b * S + s, found)
 
 
-def _sinks_bwd_kernel(dnew_k, dnew_v, at, dk, dv, T, S: tl.constexpr, E: tl.constexpr, BE: tl.constexpr):
-    # dk and dv come zeroed; each found slot's gradient goes to its token (one token per slot, one slot per token)
+def _sinks_bwd_kernel(dnew_k, dnew_v, at, dk, dv, T, S: tl.constexpr, E: tl.constexpr, BE: tl.constexpr,
+                      BT: tl.constexpr):
+    # every row of dk and dv, so nothing zeroes them first: a found slot's gradient at its token (one token per slot,
+    # one slot per token), zero elsewhere
     b = tl.program_id(0).to(tl.int64)
-    s = tl.program_id(1)
-    found = tl.load(at + b * S + s)
-    if found >= 0:
-        e = tl.arange(0, BE)
-        m_e = e < E
+    t = tl.program_id(1) * BT + tl.arange(0, BT)
+    e = tl.arange(0, BE)
+    m = (t < T)[:, None] & (e < E)[None, :]
+    grad_k = tl.full([BT, BE], 0.0, tl.float32)
+    grad_v = tl.full([BT, BE], 0.0, tl.float32)
+    for s in range(S):
+        hit = (t == tl.load(at + b * S + s))[:, None] & (e < E)[None, :]
         slot = (b * S + s) * E + e
-        tl.store(dk + (b * T + found) * E + e, _cast(tl.load(dnew_k + slot, mask=m_e).to(tl.float32),
-                                                     dk.dtype.element_ty), mask=m_e)
-        tl.store(dv + (b * T + found) * E + e, _cast(tl.load(dnew_v + slot, mask=m_e).to(tl.float32),
-                                                     dv.dtype.element_ty), mask=m_e)
+        grad_k = tl.where(hit, tl.load(dnew_k + slot, mask=e < E, other=0).to(tl.float32)[None, :], grad_k)
+        grad_v = tl.where(hit, tl.load(dnew_v + slot, mask=e < E, other=0).to(tl.float32)[None, :], grad_v)
+    rows = (b * T + t)[:, None] * E + e[None, :]
+    tl.store(dk + rows, _cast(grad_k, dk.dtype.element_ty), mask=m)
+    tl.store(dv + rows, _cast(grad_v, dv.dtype.element_ty), mask=m)
 
 
 class SinksFunction(torch.autograd.Function):
@@ -82,21 +88,21 @@ class SinksFunction(torch.autograd.Function):
         B, T, Hkv, D = ctx.shape
         S = at.shape[1]
         dk = dv = dold_k = dold_v = None
+        if dnew_k is None:
+            dnew_k = torch.zeros(B, S, Hkv, D, dtype=ctx.dtypes[0], device=at.device)
+        if dnew_v is None:
+            dnew_v = torch.zeros(B, S, Hkv, D, dtype=ctx.dtypes[1], device=at.device)
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-            dk = torch.zeros(ctx.shape, dtype=ctx.dtypes[0], device=at.device)
-            dv = torch.zeros(ctx.shape, dtype=ctx.dtypes[1], device=at.device)
-            if dnew_k is None:
-                dnew_k = torch.zeros(B, S, Hkv, D, dtype=dk.dtype, device=at.device)
-            if dnew_v is None:
-                dnew_v = torch.zeros(B, S, Hkv, D, dtype=dv.dtype, device=at.device)
-            get_kernel(_sinks_bwd_kernel, key=("S", "E"), warps=(4,), stages=(1,))[(B, S)](
-                dnew_k.contiguous(), dnew_v.contiguous(), at, dk, dv, T, S=S, E=Hkv * D,
-                BE=triton.next_power_of_2(Hkv * D))
-        kept = (at < 0).view(B, S, 1, 1)  # the slots that kept their old key and value
-        if ctx.needs_input_grad[3]:
-            dold_k = torch.where(kept, dnew_k, 0)
-        if ctx.needs_input_grad[4]:
-            dold_v = torch.where(kept, dnew_v, 0)
+            dk = torch.empty(ctx.shape, dtype=ctx.dtypes[0], device=at.device)
+            dv = torch.empty(ctx.shape, dtype=ctx.dtypes[1], device=at.device)
+            BE = triton.next_power_of_2(Hkv * D)
+            BT = max(1, 4096 // BE)
+            get_kernel(_sinks_bwd_kernel, key=("S", "E"), warps=(4,), stages=(1,))[(B, triton.cdiv(T, BT))](
+                dnew_k.contiguous(), dnew_v.contiguous(), at, dk, dv, T, S=S, E=Hkv * D, BE=BE, BT=BT)
+        if ctx.needs_input_grad[3] or ctx.needs_input_grad[4]:
+            kept = (at < 0).view(B, S, 1, 1)  # the slots that kept their old key and value
+            dold_k = torch.where(kept, dnew_k, 0) if ctx.needs_input_grad[3] else None
+            dold_v = torch.where(kept, dnew_v, 0) if ctx.needs_input_grad[4] else None
         return (dk if ctx.needs_input_grad[0] else None, dv if ctx.needs_input_grad[1] else None, None,
                 dold_k, dold_v, None)
 
