@@ -956,8 +956,8 @@ aot(memory_evict._evict_block_kernel, dict(rank=I, top=I, evict=I, C="i32", K="i
                                            block="i32", upto="i32", M="i32"), dict(BP=512, XB=32, DB=64))
 aot(window_carry._sinks_fwd_kernel, dict(k=B, v=B, pos=I, old_k=B, old_v=B, old_pos=I, new_k=B, new_v=B, new_pos=I,
                                           at=I, T="i32"), dict(S=4, E=192, BE=256, BT=1024), num_warps=4, num_stages=1)
-aot(window_carry._sinks_bwd_kernel, dict(dnew_k=B, dnew_v=B, at=I, dk=P, dv=P, T="i32"), dict(S=1, E=192, BE=256),
-    num_warps=4, num_stages=1)
+aot(window_carry._sinks_bwd_kernel, dict(dnew_k=B, dnew_v=B, at=I, dk=B, dv=B, T="i32"),
+    dict(S=1, E=192, BE=256, BT=16), num_warps=4, num_stages=1)
 aot(window_carry._next_window_kernel, dict(k_prev=B, v_prev=B, pos_prev=I, k=B, v=B, pos=I, score=P, win_k=B, win_v=B,
                                           win_pos=I, win_score=P, Wp="i32", T="i32", first="i32", short="i32",
                                           W1="i32"), dict(HKV=3, E=192, BE=256, BH=4, HAS_SCORE=True), num_warps=4,
