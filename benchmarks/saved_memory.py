@@ -19,7 +19,6 @@ import argparse
 import collections
 import contextlib
 import gc
-import itertools
 import os
 import sys
 import traceback
@@ -37,10 +36,10 @@ OUTSIDE_LAYERS = ("lm_head", "embed_tokens")  # in both models alike
 
 
 class _Kept:
-    """A saved tensor as the graph holds it, with the source line that saved it and when."""
+    """A saved tensor as the graph holds it, with the source line that saved it."""
 
-    def __init__(self, t, where, order):
-        self.t, self.where, self.order = t, where, order
+    def __init__(self, t, where):
+        self.t, self.where = t, where
 
 
 def saved_by_line(model, ids):
@@ -48,21 +47,21 @@ def saved_by_line(model, ids):
     forward returns (parameters excluded): a node whose output was detached (a running max, say) is freed with its
     saved tensors, which are then not counted. A storage saved from several lines counts once, at the first."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    packed, order = weakref.WeakSet(), itertools.count()
+    packed = []  # weak references, in the order of saving: the graph alone keeps each alive
 
     def pack(t):
         frames = [f for f in traceback.extract_stack()[:-1] if "modeling_" in f.filename or "aaren" in f.filename]
         where = "?" if not frames else f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno} {frames[-1].line}"
         # detached: holding a saved output itself would hold its node too (a cycle autograd never frees)
-        kept = _Kept(t.detach(), where, next(order))
-        packed.add(kept)
+        kept = _Kept(t.detach(), where)
+        packed.append(weakref.ref(kept))
         return kept
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda kept: kept.t):
-        out = model(ids, use_cache=False)
+        out = model(ids, use_cache=False)  # holds the graph until the count is done
     gc.collect()
     seen, by_line = set(), collections.Counter()
-    for kept in sorted(packed, key=lambda k: k.order):
+    for kept in filter(None, (ref() for ref in packed)):
         storage = kept.t.untyped_storage()
         if storage.data_ptr() not in params and storage.data_ptr() not in seen and storage.nbytes():
             seen.add(storage.data_ptr())
