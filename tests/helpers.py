@@ -303,10 +303,11 @@ def recording(fn, ran: list):
     return wrapper
 
 
-def kernel_beside_reference(mixer, x, mask, pos, monkeypatch, name, prompt=3, rounded=(), tol=1e-5, pieces=None):
+def kernel_beside_reference(mixer, x, mask, pos, monkeypatch, name, prompt=3, rounded=(), tol=1e-5, pieces=None,
+                            start=None):
     """Feed ``mixer`` the same tokens twice, a prompt of ``prompt`` tokens and then one token per call (or pieces of
     the lengths ``pieces``): once with the C call ``aaren_hf.modeling_aaren.<name>`` and once with it set to None
-    (what runs without it). After
+    (what runs without it), both from a copy of the layer state ``start`` (None: an empty one). After
     each call: the outputs equal to float32 rounding (``tol`` of the largest: 1e-5; a wrong key or weight moves them by
     far more), the state tensors the same names and dtypes, equal bit for bit, or to rounding for the names in
     ``rounded``. Asserts that the kernel served a call; returns the kernel side's final state."""
@@ -316,7 +317,7 @@ def kernel_beside_reference(mixer, x, mask, pos, monkeypatch, name, prompt=3, ro
     kernel, served = getattr(modeling, name), []
     counted = recording(kernel, served)
 
-    with_kernel, reference = AarenLayerState(), AarenLayerState()
+    with_kernel, reference = (AarenLayerState(), AarenLayerState()) if start is None else (start.copy(), start.copy())
     starts = [0, prompt, *range(prompt + 1, x.shape[1] + 1)] if pieces is None else [0, *itertools.accumulate(pieces)]
     for t in [slice(a, b) for a, b in zip(starts, starts[1:])]:
         with torch.no_grad():

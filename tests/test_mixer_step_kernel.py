@@ -61,6 +61,32 @@ def test_kernel_step_equals_pytorch_step(case, kv_cache_dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("kv_cache_dtype", [None, "bfloat16"])
+@pytest.mark.parametrize("case", ["default_like_d64", "int8_d64"])
+def test_kernel_step_reads_a_memory_with_empty_slots_between_filled_ones(case, kv_cache_dtype, monkeypatch):
+    """The kernel scores only the filled memory slots. Decoding fills the slots in order, so a state with empty slots
+    among filled ones (one a user or another path may hand it) is made by hand: a full memory, some slots emptied as
+    an unfilled slot is (position -1, score -inf); the steps after fill them again, one per step."""
+    import aaren_hf.modeling_aaren as modeling
+
+    model = tiny_model(kv_cache_dtype=kv_cache_dtype, **STEP_CASES[case])
+    x, mask, pos = step_inputs(model, 24, [])
+    mixer = next(layer.mixer for layer in model.model.layers if layer.mixer.memory_size)
+    state = AarenLayerState()
+    monkeypatch.setattr(modeling, "mixer_prefill_cpu", None)
+    with torch.no_grad():
+        mixer(x[:, :16], mask[:, :16], pos[:, :16], state)
+    assert bool((state.memory_pos >= 0).all())
+    holes = torch.zeros_like(state.memory_pos, dtype=torch.bool)
+    holes[0, 0, ::2] = True  # row 0: every other slot of kv head 0
+    holes[1, -1, 1] = True  # row 1: one slot of the last kv head
+    state.memory_pos = state.memory_pos.masked_fill(holes, -1)
+    state.memory_score = state.memory_score.masked_fill(holes, float("-inf"))
+    after = kernel_beside_reference(mixer, x[:, 16:], mask[:, 16:], pos[:, 16:], monkeypatch, "mixer_step_cpu",
+                                    prompt=1, rounded=ROUNDED, start=state)
+    assert bool((after.memory_pos >= 0).all())
+
+
+@pytest.mark.parametrize("kv_cache_dtype", [None, "bfloat16"])
 @pytest.mark.parametrize("case", WINDOW_CASES + list(STEP_CASES))
 def test_kernel_prefill_equals_the_calls_it_replaces(case, kv_cache_dtype, monkeypatch):
     """A prompt in pieces through every mixer with a window, with its one call (``mixer_prefill_cpu``) and without

@@ -82,10 +82,11 @@ int aaren_window_step(
     float qr[MAX_G][MAX_D], qs[MAX_G][MAX_D], acc[MAX_G][MAX_D], accm[MAX_G][MAX_D];
     float key[MAX_D], val[MAX_D], knew[MAX_D], vnew[MAX_D], x[MAX_D], y[MAX_D];
     /* [G, N]: scores, then weights; then the token's stored keys and values [Hkv, D] each, written into the window
-     * once it has shifted (in place, the shift would otherwise move them) */
-    float *scores = malloc(sizeof(float) * ((size_t)G * N + 2 * (size_t)Hkv * D));
+     * once it has shifted (in place, the shift would otherwise move them); then the filled memory slots' indices */
+    float *scores = malloc(sizeof(float) * ((size_t)G * N + 2 * (size_t)Hkv * D) + sizeof(int64_t) * (size_t)M);
     if (!scores) return 2;
     float *tok_k = scores + (size_t)G * N, *tok_v = tok_k + (size_t)Hkv * D;
+    int64_t *filled = (int64_t *)(tok_v + (size_t)Hkv * D);
     for (int b = 0; b < B; b++) {
         int64_t p = pos[b];
         const float *ct = cos_t + (int64_t)b * rot, *st = sin_t + (int64_t)b * rot;
@@ -131,25 +132,30 @@ int aaren_window_step(
                 rotary(x, cs, ss, rot, D, key);
                 for (int g = 0; g < G; g++) scores[g * N + n] = sp >= 0 ? dot(qr[g], key, D) * scale : -INFINITY;
             }
-            for (int m = 0; m < M; m++, n++) {
-                int64_t e = row * M + m;
-                if (mem_pos[e] < 0) {
-                    for (int g = 0; g < G; g++) scores[g * N + n] = -INFINITY;
-                    continue;
-                }
-                read_entry(mem_k, mem_k_scale, e, D, bits, bf16, key);
+            /* the filled slots only: an empty one's weight is 0, which adds nothing to the sum (the same bits), while
+             * its score would cost a pass over the whole memory in each loop below until the memory fills (a step after
+             * 100 tokens: 27 -> 19 us for the default recipe's layer). A full memory is read by slot number, not
+             * through the list: loading each index cost that step about 8% */
+            int n_filled = 0;
+            for (int m = 0; m < M; m++) { /* without a branch: filled and empty slots interleave */
+                filled[n_filled] = row * M + m;
+                n_filled += mem_pos[row * M + m] >= 0;
+            }
+            for (int f = 0; f < n_filled; f++, n++) {
+                read_entry(mem_k, mem_k_scale, n_filled == M ? row * M + f : filled[f], D, bits, bf16, key);
                 for (int g = 0; g < G; g++) scores[g * N + n] = dot(qs[g], key, D) * scale;
             }
+            int used = n;
             /* softmax and the weighted values; the memory's rotated values are turned back once, at the end */
             for (int g = 0; g < G; g++) {
                 float top = -INFINITY, sum = 0.0f;
-                for (int j = 0; j < N; j++) top = scores[g * N + j] > top ? scores[g * N + j] : top;
-                for (int j = 0; j < N; j++) {
+                for (int j = 0; j < used; j++) top = scores[g * N + j] > top ? scores[g * N + j] : top;
+                for (int j = 0; j < used; j++) {
                     float w = scores[g * N + j] == -INFINITY ? 0.0f : expf(scores[g * N + j] - top);
                     scores[g * N + j] = w;
                     sum += w;
                 }
-                for (int j = 0; j < N; j++) scores[g * N + j] /= sum;
+                for (int j = 0; j < used; j++) scores[g * N + j] /= sum;
                 memset(acc[g], 0, sizeof(float) * D);
                 memset(accm[g], 0, sizeof(float) * D);
             }
@@ -166,10 +172,8 @@ int aaren_window_step(
                 load_row(val, sink_v, bf16, (((int64_t)b * S + i) * Hkv + h) * D, D);
                 for (int g = 0; g < G; g++) if (scores[g * N + n] != 0.0f) axpy(acc[g], scores[g * N + n], val, D);
             }
-            for (int m = 0; m < M; m++, n++) {
-                int64_t e = row * M + m;
-                if (mem_pos[e] < 0) continue;
-                read_entry(mem_v, mem_v_scale, e, D, bits, bf16, val);
+            for (int f = 0; f < n_filled; f++, n++) {
+                read_entry(mem_v, mem_v_scale, n_filled == M ? row * M + f : filled[f], D, bits, bf16, val);
                 for (int g = 0; g < G; g++) if (scores[g * N + n] != 0.0f) axpy(accm[g], scores[g * N + n], val, D);
             }
             for (int g = 0; g < G; g++) {
