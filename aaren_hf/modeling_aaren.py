@@ -348,7 +348,7 @@ def rotate(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, angles=No
     if inv_freq.shape[0] == 0:
         return x
     cos, sin = angles or rotary_angles(pos, inv_freq)
-    if torch.is_grad_enabled() and x.requires_grad:
+    if _trains(x):
         return _Rotate.apply(x, cos, sin)
     return rotate_by(x, cos, sin)
 
@@ -454,7 +454,7 @@ def rotate_by(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bo
     with -sin). With the aaren_hf package one pass gives the same bits where autograd need not see it (as in
     ``_Rotate``): C on a CPU (``rotate_cpu``), a Triton launch on a GPU (``fused_rotate``, which negates in
     registers; kernels/window); this code is their reference."""
-    if not (torch.is_grad_enabled() and x.requires_grad):
+    if not _trains(x):
         rotated = None
         if takes_triton(fused_rotate, x):
             rotated = fused_rotate(x, cos, sin, inverse)

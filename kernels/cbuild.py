@@ -158,6 +158,13 @@ def dense(t):
     return t if t.is_contiguous() else t.contiguous()
 
 
+def records_grad(*tensors) -> bool:
+    """Whether autograd records a step on these tensors (None: left out): where a C call without a backward
+    declines, or a Function's backward would keep what no one asks of it (modeling_aaren's ``_trains``, which the
+    modeling file restates to stand alone)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def as_bytes(t):
     """t as uint8 for a C call: a bool tensor's own bytes (no copy), anything else converted."""
     return dense(t.view(torch.uint8) if t.dtype == torch.bool else t.to(torch.uint8))

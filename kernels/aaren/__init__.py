@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ..cbuild import as_bytes, dense, load
+from ..cbuild import as_bytes, dense, load, records_grad
 from .naive import naive_aaren
 
 __all__ = ["naive_aaren", "chunk_aaren_triton", "fused_recurrent_aaren_triton", "aaren_prefill_cpu"]
@@ -32,7 +32,7 @@ def aaren_prefill_cpu(q, k, v, mask, queries, scale: float, decay: str, log_deca
     on a CPU, float64, more slots than it takes, no compiler (then the caller runs the reference)."""
     tensors = (q, k, v, queries, log_decay, decay_in, *(initial_state or ()))
     present = [t for t in tensors if t is not None]
-    if ((torch.is_grad_enabled() and any(t.requires_grad for t in present))
+    if (records_grad(*present)
             or any(t.device.type != "cpu" or t.dtype == torch.float64 for t in present) or decay not in DECAYS):
         return None
     lib = load("aaren_scan", SOURCES, SIGNATURES, "the chunked PyTorch scan")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..cbuild import dense, load
+from ..cbuild import dense, load, records_grad
 
 __all__ = ["checked_angles", "rotate_cpu", "window_attention_cpu", "window_cpu_takes", "window_prefill_cpu",
            "window_queries_cpu"]
@@ -70,7 +70,7 @@ def window_queries_cpu(q, qpos, angles, sink_k, sink_pos, back_angles, window: i
     B, T, H, D = q.shape
     S, Hkv = sink_k.shape[1], sink_k.shape[2]
     turns = back_angles or ()
-    if ((S > 0 and back_angles is None) or (torch.is_grad_enabled() and (q.requires_grad or sink_k.requires_grad))
+    if ((S > 0 and back_angles is None) or records_grad(q, sink_k)
             or any(t.device.type != "cpu" for t in (q, sink_k, *angles, *turns))
             or any(t.dtype != torch.float32 for t in (q, *angles, *turns)) or qpos.dtype != torch.int64):
         return None
@@ -239,7 +239,7 @@ def window_attention_cpu(q, qpos, ks, vs, spos, P0, window, scale, memory=None, 
     shape = (B, T, H, D, Hkv, Ls, mk.shape[2], sink_v.shape[1])
     inputs = (f32(q), f32(ks), f32(vs), f32(mk), f32(mv), f32(sink_s), f32(sink_v))
     # autograd's Function only where a gradient is wanted: it costs more than the call at a short prompt
-    wanted = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+    wanted = records_grad(*inputs)
     angles = checked_angles(angles, q)
     out = (_WindowAttention.apply if wanted else _forward)(*inputs, indices, angles, shape, int(P0), int(window),
                                                            float(scale), q.dtype)
