@@ -1448,6 +1448,27 @@ def test_from_pretrained_overrides_are_checked_like_the_config(tmp_path, overrid
     assert model.config.memory_size == [3, 1] and model.model.layers[1].mixer.memory_size == 1
 
 
+@pytest.mark.parametrize("cast", ["to", "half"])
+def test_a_cast_model_keeps_its_rotary_frequencies_in_float32(tmp_path, cast):
+    """model.to(torch.bfloat16) or .half() leaves rope_inv_freq as it was (float32, the same values), so a cast model
+    computes what one loaded in that dtype does, bit for bit; a rounded frequency turns far-apart keys otherwise."""
+    model = tiny_model(window_size=4, num_sink_tokens=1, memory_size=3, rope_theta=50.0)
+    model.save_pretrained(tmp_path)
+    dtype = torch.bfloat16 if cast == "to" else torch.float16
+    rounded = [layer.mixer.rope_inv_freq.to(dtype).float() for layer in model.model.layers]
+    want = [layer.mixer.rope_inv_freq.clone() for layer in model.model.layers]
+    assert any(not torch.equal(r, w) for r, w in zip(rounded, want))  # the check below can fail
+    cast_model = model.to(dtype) if cast == "to" else model.half()
+    for layer, freq in zip(cast_model.model.layers, want):
+        assert layer.mixer.rope_inv_freq.dtype == torch.float32 and torch.equal(layer.mixer.rope_inv_freq, freq)
+        assert layer.mixer.q_proj.weight.dtype == dtype  # the rest was cast
+    loaded = AarenForCausalLM.from_pretrained(tmp_path, dtype=dtype).eval()
+    ids = random_ids(2, 40)
+    with torch.no_grad():
+        assert torch.equal(cast_model(ids).logits, loaded(ids).logits)
+    assert cast_model.to("cpu").model.layers[0].mixer.rope_inv_freq.dtype == torch.float32
+
+
 def test_good_config_round_trips():
     config = tiny_config(**MIXER_CASES["everything"])
     again = AarenConfig.from_dict(config.to_dict())
