@@ -35,7 +35,8 @@ try:  # Triton kernels on CUDA and the C kernels on CPUs, when this package is i
     from aaren_hf.kernels import (WINDOW_BLOCK, chunk_aaren, fused_aaren_step, fused_chunk_aaren_mixed,
                                   fused_keep_memory, fused_memory_evict, fused_memory_lists, fused_memory_round,
                                   fused_next_window, fused_recurrent_aaren, fused_rotate, fused_round_retention,
-                                  fused_sinks, fused_window_attention, fused_window_step, select_backend)
+                                  fused_scan_inputs, fused_sinks, fused_window_attention, fused_window_step,
+                                  select_backend)
     from aaren_hf.kernels.aaren import aaren_prefill_cpu
     from aaren_hf.kernels.memory import memory_evict_cpu, memory_prefill_cpu, memory_round_cpu
     from aaren_hf.kernels.mixer import mixer_prefill_cpu, mixer_step_cpu
@@ -48,7 +49,8 @@ except ImportError:
     rotate_cpu = window_attention_cpu = window_queries_cpu = None
     fused_aaren_step = fused_chunk_aaren_mixed = fused_keep_memory = fused_memory_evict = fused_memory_lists = None
     fused_memory_round = None
-    fused_next_window = fused_rotate = fused_round_retention = fused_sinks = fused_window_attention = None
+    fused_next_window = fused_rotate = fused_round_retention = fused_scan_inputs = fused_sinks = None
+    fused_window_attention = None
     fused_window_step = window_cpu_takes = window_prefill_cpu = None
 
 
@@ -1408,15 +1410,7 @@ class AarenMixer(nn.Module):
                 if state is not None:
                     state.aaren_o, state.aaren_lse = final
                 return o, s
-        padding = ~mask.unsqueeze(-1)
-        s = self.slot_scores(k).masked_fill(padding, float("-inf"))
-        g = None
-        if self.decay != "none":
-            g = self.log_decay_per_token(x).masked_fill(padding, 0.0)
-        mix = None  # [B, T, H, J]: how much each query head reads of its slots
-        if J > 1:
-            mix = float32_product(q.transpose(1, 2), self.queries.transpose(1, 2)).transpose(1, 2)
-            mix = torch.softmax(mix * self.scale, -1)
+        s, mix, g = self.scan_inputs(x, q, k, mask)
         if not per_op_head and not decoding_on_cpu:
             # slots mixed, each kv head's values read once for its query heads: the chunked PyTorch scan
             if mix is None:
@@ -1448,6 +1442,30 @@ class AarenMixer(nn.Module):
         elif state is not None:
             state.aaren_o, state.aaren_lse = final
         return o, s
+
+    def scan_inputs(self, x, q, k, mask):
+        """What the scan reads: (the slot scores s [B, T, H*J] float32 of keys k [B, T, Hkv, D], -inf where mask
+        [B, T] is False; the slots' mix [B, T, H, J] float32, how much each query head of q [B, T, H, D] reads of its
+        slots, None with one slot; the log-decay per token g [B, T, H*J] float32, 0 at padding, None without decay).
+        On a GPU one Triton launch, its backward another (``fused_scan_inputs``, kernels/aaren/scores.py); the code
+        below is its reference."""
+        J = self.num_slots
+        log_decay = getattr(self, "log_decay", None)
+        if takes_triton(fused_scan_inputs, k):
+            got = fused_scan_inputs(q, k, self.queries, mask, log_decay,
+                                    self.decay_proj(x) if self.decay == "input" else None, self.scale)
+            if got is not None:
+                return got
+        padding = ~mask.unsqueeze(-1)
+        s = self.slot_scores(k).masked_fill(padding, float("-inf"))
+        mix = None
+        if J > 1:
+            mix = float32_product(q.transpose(1, 2), self.queries.transpose(1, 2)).transpose(1, 2)
+            mix = torch.softmax(mix * self.scale, -1)
+        g = None
+        if self.decay != "none":
+            g = self.log_decay_per_token(x).masked_fill(padding, 0.0)
+        return s, mix, g
 
     def slot_scores(self, k):
         """Aaren scores <k_t, c_hj> / sqrt(D) [B, T, H*J] float32 of keys k [B, T, Hkv, D]; op heads are (kv head,

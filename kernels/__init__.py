@@ -4,16 +4,17 @@ training and prefill in Triton (``window/chunk.py``, ``fused_window_attention``;
 device) and its decode step in Triton (``window/fused_recurrent.py``, ``fused_window_step``; reference:
 ``AarenMixer.window_step``, likewise); the scan with the slots mixed (``fused_chunk_aaren_mixed``; reference:
 ``aaren_scan.chunk_aaren_mixed``, likewise) and the Aaren branch's decode step (``fused_aaren_step``; reference:
-``AarenMixer.aaren_output``, likewise); the memory's codes in Triton (``memory/codes.py``, ``fused_memory_round``;
-reference: ``MemoryCodes.round_with_codes``, likewise) and its ranking sweep's blocks (``memory/evict.py``,
-``fused_memory_evict``; reference: the loop of ``_evict_sweep``, likewise; and the grid it ranks on,
-``fused_round_retention``; reference: ``round_retention``, likewise) and each block's list of candidates for
-window attention (``memory/lists.py``, ``fused_memory_lists``; reference: ``_memory_lists``, likewise) and the slots a
-prefill piece leaves (``memory/keep.py``, ``fused_keep_memory``; reference: ``AarenMixer.keep_memory``); rotary
-embedding in one launch (``window/rotate.py``, ``fused_rotate``; reference: ``rotate_by``, likewise); what a piece of
-tokens carries into the window's state (``window/carry.py``): the sinks' slots (``fused_sinks``; reference:
-``fill_sinks``, likewise) and the window the next piece continues from (``fused_next_window``; reference:
-``next_window``, likewise).
+``AarenMixer.aaren_output``, likewise) and what its scan reads of a block of tokens (``aaren/scores.py``,
+``fused_scan_inputs``; reference: ``AarenMixer.scan_inputs``, likewise); the memory's codes in Triton
+(``memory/codes.py``, ``fused_memory_round``; reference: ``MemoryCodes.round_with_codes``, likewise) and its ranking
+sweep's blocks (``memory/evict.py``, ``fused_memory_evict``; reference: the loop of ``_evict_sweep``, likewise; and
+the grid it ranks on, ``fused_round_retention``; reference: ``round_retention``, likewise) and each block's list of
+candidates for window attention (``memory/lists.py``, ``fused_memory_lists``; reference: ``_memory_lists``, likewise)
+and the slots a prefill piece leaves (``memory/keep.py``, ``fused_keep_memory``; reference:
+``AarenMixer.keep_memory``); rotary embedding in one launch (``window/rotate.py``, ``fused_rotate``; reference:
+``rotate_by``, likewise); what a piece of tokens carries into the window's state (``window/carry.py``): the sinks'
+slots (``fused_sinks``; reference: ``fill_sinks``, likewise) and the window the next piece continues from
+(``fused_next_window``; reference: ``next_window``, likewise).
 
     o, final_state = chunk_aaren(s, v, g=None, initial_state=None, output_final_state=False, cu_seqlens=None,
                                  chunk_size=64)
@@ -124,6 +125,15 @@ def fused_chunk_aaren_mixed(s, v, mix, g=None, initial_state=None, output_final_
     from .aaren.chunk import chunk_aaren_mixed_triton
 
     return chunk_aaren_mixed_triton(s, v, mix, g, initial_state, output_final_state, chunk_size)
+
+
+def fused_scan_inputs(q, k, queries, mask, log_decay, decay_in, scale):
+    """What the Aaren branch's scan reads (slot scores, the slots' mix, the log-decay per token) in one Triton
+    launch, with their backward (``aaren/scores.py``; reference: ``AarenMixer.scan_inputs``); None where it does not
+    take the inputs. Callers check ``select_backend(k) == "triton"`` first."""
+    from .aaren.scores import scan_inputs_triton
+
+    return scan_inputs_triton(q, k, queries, mask, log_decay, decay_in, scale)
 
 
 def fused_aaren_step(q, k, v, mask, state, queries, log_decay, decay_in, scale):

@@ -900,7 +900,7 @@ AOT_SM90 = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
-from aaren_hf.kernels.aaren import chunk, fused_recurrent
+from aaren_hf.kernels.aaren import chunk, fused_recurrent, scores
 from aaren_hf.kernels.memory import codes as memory_codes, evict as memory_evict, keep as memory_keep
 from aaren_hf.kernels.memory import lists as memory_lists
 from aaren_hf.kernels.window import chunk as window_chunk, fused_recurrent as window_step, rotate
@@ -928,6 +928,13 @@ for decay, J in ((2, 4), (0, 1)):
     aot(fused_recurrent._aaren_step_kernel, dict(q=B, k=B, v=B, queries=B, log_decay=B, decay_in=B, mask="*i1",
                                                  o_state=P, lse_state=P, out=B, s_out=P, scale="fp32"),
         dict(H=9, HKV=3, J=J, BJ=max(2, J), D=64, BD=64, DECAY=decay, MIX=J > 1), num_warps=4, num_stages=1)
+sig = dict(q=B, k=B, queries=B, mask="*i1", log_decay=B, decay_in=B, N="i32", scale="fp32")
+for c in (dict(H=9, HKV=3, G=3, J=4, BJ=4, D=64, BD=64, BT=32, MIX=True, DECAY=1),
+          dict(H=8, HKV=2, G=4, J=1, BJ=2, D=128, BD=128, BT=32, MIX=False, DECAY=0),
+          dict(H=8, HKV=8, G=1, J=3, BJ=4, D=80, BD=128, BT=16, MIX=True, DECAY=2)):
+    aot(scores._scores_fwd_kernel, dict(sig, s=P, mix=P, g=P), c, num_warps=4, num_stages=1)
+    aot(scores._scores_bwd_kernel, dict(sig, mix=P, ds=P, dmix=P, dg=P, dq=B, dk=B, dqueries=P, dlog_decay=P,
+                                        ddecay_in=B), c, num_warps=4, num_stages=1)
 I = "*i64"
 common = dict(q=B, qpos=I, cos=P, sin=P, ks=B, vs=B, spos=I, mk=B, mv=B, evict=I, last=I, idx=I, counts=I, sink_s=B,
               sink_v=B, sink_pos=I, lse=P, T="i32", Ls="i32", P0="i32", W="i32", C="i32", K="i32", NB="i32",
@@ -1446,6 +1453,75 @@ def test_sinks_kernel_is_the_references_bit_for_bit(T, dtype, stored, monkeypatc
         assert a.dtype == b.dtype and torch.equal(a, b)
     if T == 5:  # padding 3 leaves slots 2 and 3 of row 1 empty
         assert results[0][2].tolist() == [[0, 1, 2, 3], [0, 1, -1, -1], [0, 1, 2, 3], [0, 1, 2, 3]]
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("J, Hkv, decay, spread", [(4, 2, "learned", 1.0), (1, 4, "none", 1.0), (3, 1, "input", 1.0),
+                                                   (4, 2, "fixed", 300.0), (2, 2, "input", 30.0)])
+def test_scan_inputs_kernel_vs_the_reference_in_float64(J, Hkv, decay, spread, dtype, monkeypatch):
+    """What the scan reads, in Triton (kernels/aaren/scores.py), against ``AarenMixer.scan_inputs``' PyTorch code
+    run in float64 on the same values: the slot scores (-inf at padding), the slots' mix and the log-decay per token
+    (0 at padding), and the gradients of q, k, the slot queries, the decay rates and the input (through the input
+    decay's projection); groups of 2, 4 and 1 query heads, 1, 2, 3 and 4 slots, every decay, an odd length with front
+    padding and gradients there, scores hundreds apart (a saturated softmax), decay projections past softplus's
+    threshold (20) both ways. The PyTorch code in the same dtype is held to the same tolerance."""
+    import aaren_hf.modeling_aaren as modeling
+    from helpers import tiny_model
+
+    mixer = tiny_model(num_query_slots=J, num_key_value_heads=Hkv, window_size=4, decay=decay).model.layers[0].mixer
+    with torch.no_grad():
+        mixer.queries.mul_(spread)
+        if decay == "input":
+            mixer.decay_proj.weight.mul_(spread)
+    B, T, H, D = 3, 37, mixer.num_heads, mixer.head_dim
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(B, T, mixer.q_proj.in_features, generator=gen)
+    q, k = torch.randn(B, T, H, D, generator=gen), torch.randn(B, T, Hkv, D, generator=gen)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[1, :6] = False
+    weights = [torch.randn(B, T, H * J, generator=gen), torch.randn(B, T, H, J, generator=gen),
+               torch.randn(B, T, H * J, generator=gen)]
+    ran = []
+    monkeypatch.setattr(modeling, "fused_scan_inputs", lambda *a: ran.append(1) or K.fused_scan_inputs(*a))
+
+    def scan_inputs(mixer, compute, gpu):
+        # in float64: the values of the ``dtype`` model, inputs and parameters alike, computed exactly
+        mixer = copy.deepcopy(mixer).to(dtype).to(compute)
+        inputs = [t.to(dtype).to(compute).requires_grad_() for t in (x, q, k)]
+        with monkeypatch.context() as m:
+            m.setattr(modeling, "launch_bound", lambda device: gpu)
+            got = mixer.scan_inputs(*inputs, mask)
+        assert all(t is None or t.dtype == torch.float32 or compute == torch.float64 for t in got)
+        wrt = dict(dq=inputs[1], dk=inputs[2], dqueries=mixer.queries)
+        if decay in ("input", "learned"):  # a "fixed" decay has none
+            wrt.update(dlog_decay=mixer.log_decay, **({"dx": inputs[0]} if decay == "input" else {}))
+        # gradients at padding too, which no key or decay may receive (its score and decay are constants)
+        outs, ws = zip(*[(t, w.to(t.dtype)) for t, w in zip(got, weights) if t is not None and t.requires_grad])
+        grads = torch.autograd.grad(outs, list(wrt.values()), ws, allow_unused=J == 1)  # q: the mix's
+        return dict(zip(("s", "mix", "g"), got), **dict(zip(wrt, grads)))
+
+    want = scan_inputs(mixer, torch.float64, False)
+    got, reference = scan_inputs(mixer, dtype, True), scan_inputs(mixer, dtype, False)
+    assert len(ran) == 1 and got.keys() == want.keys()
+    assert torch.equal(got["s"].isinf(), ~mask[..., None].expand(B, T, H * J)) and not got["s"].isnan().any()
+    if decay != "none":
+        assert not got["g"][~mask].any() and got["g"].isfinite().all()
+    for name, b in want.items():
+        a, r = got[name], reference[name]
+        if b is None:
+            assert a is None and r is None and name in ("mix", "g", "dq")
+            continue
+        assert a.dtype == r.dtype and a.shape == b.shape, name
+        fin = b.isfinite()
+        # what the kernel returns in the inputs' dtype is rounded once to it; the scores and mix are float32, whose
+        # rounding a saturated softmax's gradients magnify; an input decay reads its projection in the inputs' dtype
+        tol = (1e-5 if spread == 1 else 1e-4) if a.dtype in (torch.float32, torch.float64) else 1e-2
+        if name == "g" and decay == "input" and dtype != torch.float32:
+            tol = 1e-2
+        size = b[fin].abs().max()
+        assert (a.double() - b)[fin].abs().max() <= tol * size, (name, float((a.double() - b)[fin].abs().max()))
+        assert (r.double() - b)[fin].abs().max() <= tol * size, (name, "reference")
 
 
 @needs_triton
