@@ -1488,17 +1488,21 @@ def test_scan_inputs_kernel_vs_the_reference_in_float64(J, Hkv, decay, spread, d
     ran = []
     monkeypatch.setattr(modeling, "fused_scan_inputs", lambda *a: ran.append(1) or K.fused_scan_inputs(*a))
 
-    def scan_inputs(mixer, compute, gpu):
+    def scan_inputs(mixer, compute, gpu, frozen=False):
         # in float64: the values of the ``dtype`` model, inputs and parameters alike, computed exactly
         mixer = copy.deepcopy(mixer).to(dtype).to(compute)
+        for p in mixer.parameters() if frozen else ():  # as an adapter's fine-tuning leaves them
+            p.requires_grad_(False)
         inputs = [t.to(dtype).to(compute).requires_grad_() for t in (x, q, k)]
         with monkeypatch.context() as m:
             m.setattr(modeling, "launch_bound", lambda device: gpu)
             got = mixer.scan_inputs(*inputs, mask)
         assert all(t is None or t.dtype == torch.float32 or compute == torch.float64 for t in got)
-        wrt = dict(dq=inputs[1], dk=inputs[2], dqueries=mixer.queries)
-        if decay in ("input", "learned"):  # a "fixed" decay has none
-            wrt.update(dlog_decay=mixer.log_decay, **({"dx": inputs[0]} if decay == "input" else {}))
+        wrt = dict(dq=inputs[1], dk=inputs[2], **({} if frozen else {"dqueries": mixer.queries}))
+        if decay in ("input", "learned") and not frozen:  # a "fixed" decay has none
+            wrt["dlog_decay"] = mixer.log_decay
+        if decay == "input":
+            wrt["dx"] = inputs[0]
         # gradients at padding too, which no key or decay may receive (its score and decay are constants)
         outs, ws = zip(*[(t, w.to(t.dtype)) for t, w in zip(got, weights) if t is not None and t.requires_grad])
         grads = torch.autograd.grad(outs, list(wrt.values()), ws, allow_unused=J == 1)  # q: the mix's
@@ -1525,6 +1529,11 @@ def test_scan_inputs_kernel_vs_the_reference_in_float64(J, Hkv, decay, spread, d
         size = b[fin].abs().max()
         assert (a.double() - b)[fin].abs().max() <= tol * size, (name, float((a.double() - b)[fin].abs().max()))
         assert (r.double() - b)[fin].abs().max() <= tol * size, (name, "reference")
+    # frozen parameters: the inputs' gradients as before, bit for bit
+    frozen = scan_inputs(mixer, dtype, True, frozen=True)
+    assert len(ran) == 2 and {"dq", "dk"} <= frozen.keys() and "dqueries" not in frozen
+    for name, a in frozen.items():
+        assert (a is None and got[name] is None) or torch.equal(a, got[name]), name
 
 
 @needs_triton

@@ -159,10 +159,10 @@ class ScanInputsFunction(torch.autograd.Function):
             ds if decay_in is None else decay_in, ds if mix is None else mix, ds, ds if dmix is None else dmix,
             ds if dg is None else dg, dk if dq is None else dq, dk, part, part if part_decay is None else part_decay,
             dk if ddecay_in is None else ddecay_in, N, float(ctx.scale), **consts)
-        dlog_decay = None
-        if part_decay is not None and ctx.needs_input_grad[4]:
-            dlog_decay = part_decay.sum(0).to(log_decay.dtype)
-        return dq, dk, part.sum(0).to(queries.dtype), None, dlog_decay, ddecay_in, None
+        # frozen parameters (a fixed decay, an adapter's fine-tuning) take no sum
+        dqueries = part.sum(0).to(queries.dtype) if ctx.needs_input_grad[2] else None
+        dlog_decay = part_decay.sum(0).to(log_decay.dtype) if ctx.needs_input_grad[4] else None
+        return dq, dk, dqueries, None, dlog_decay, ddecay_in, None
 
 
 def scan_inputs_triton(q, k, queries, mask, log_decay, decay_in, scale):
