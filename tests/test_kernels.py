@@ -850,6 +850,9 @@ def test_aaren_step_kernel_equals_the_pytorch_step(case, monkeypatch):
     if modeling.fused_aaren_step is None:
         pytest.skip("aaren_hf.kernels is not importable")
     monkeypatch.setattr(modeling, "launch_bound", lambda device: True)
+    # the reference's scores and decay by the PyTorch code, not by the scan-inputs kernel, whose decay formula the
+    # step kernel shares (``scores.input_decay``)
+    monkeypatch.setattr(modeling, "fused_scan_inputs", None)
     model = tiny_model(chunk_size=16, **MIXER_CASES.get(case, {}), **STEP_CASES.get(case, {}))
     x, mask, pos = step_inputs(model, 14, [slice(0, 4), slice(8, 10)])
     for layer in model.model.layers:
@@ -870,6 +873,7 @@ def test_aaren_step_kernel_in_a_16_bit_model(dtype, monkeypatch):
     if modeling.fused_aaren_step is None:
         pytest.skip("aaren_hf.kernels is not importable")
     monkeypatch.setattr(modeling, "launch_bound", lambda device: True)
+    monkeypatch.setattr(modeling, "fused_scan_inputs", None)  # the reference's scores and decay by PyTorch
     model = tiny_model(chunk_size=16, **STEP_CASES["default_like_d64"]).to(dtype)
     x, mask, pos = step_inputs(model, 12, [slice(0, 4)])
     for layer in model.model.layers:
@@ -892,6 +896,7 @@ def test_gpu_aaren_step_kernel_equals_the_pytorch_step(monkeypatch):
     mask[1, :7] = False
     pos = (mask.long().cumsum(1) - 1).masked_fill(~mask, -1)
     assert modeling.fused_aaren_step is not None
+    monkeypatch.setattr(modeling, "fused_scan_inputs", None)  # the reference's scores and decay by PyTorch
     kernel_beside_reference(model.model.layers[0].mixer, x, mask, pos, monkeypatch, "fused_aaren_step", prompt=40,
                             rounded=("aaren_o", "aaren_lse"), tol=1e-2)
 

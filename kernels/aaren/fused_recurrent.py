@@ -17,6 +17,7 @@ import triton.language as tl
 from ..memory.codes import _cast
 from ..state import writable
 from .chunk import _ADD, _MAX, _block_d, chunk_bwd, chunk_fwd, check_inputs, device_function, get_kernel, prepare
+from .scores import input_decay
 
 
 @device_function
@@ -145,8 +146,7 @@ def _aaren_step_kernel(
     if DECAY > 0:  # g = -exp(log_decay), times softplus(decay_in) / log 2 with an input-dependent decay
         g = -tl.exp(tl.load(log_decay + i_h * J + js, mask=m_j, other=0).to(tl.float32))
         if DECAY == 2:
-            u = tl.load(decay_in + op, mask=m_j, other=0).to(tl.float32)
-            g = g * tl.where(u > 20.0, u, tl.log(1.0 + tl.exp(tl.minimum(u, 20.0)))) / 0.6931471805599453
+            g = input_decay(g, tl.load(decay_in + op, mask=m_j, other=0).to(tl.float32))[0]
         lse = lse + tl.where(real, g, 0.0)
     a, b, w_safe, lse = _step_weights(lse, b_s)
     o = tl.load(o_state + op[:, None] * D + cols[None, :], mask=m_jd, other=0)

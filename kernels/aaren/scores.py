@@ -25,15 +25,21 @@ _BLOCK_ELEMENTS = 8192
 
 
 @device_function
+def input_decay(rate, u):
+    """(g, dg/du) of an input-dependent decay: rate * softplus(u) / log 2 (torch's softplus: u itself above 20), for
+    this file's kernels and the decode step's (``fused_recurrent.py``)."""
+    softplus = tl.where(u > 20.0, u, tl.log(1.0 + tl.exp(tl.minimum(u, 20.0))))
+    # its derivative, the sigmoid, as exp(u - softplus(u)): no exp of a large argument
+    return rate * softplus / 0.6931471805599453, rate * tl.exp(tl.minimum(u - softplus, 0.0)) / 0.6931471805599453
+
+
+@device_function
 def _decay(log_decay, decay_in, at, i_h, js, m_j, m_tj, J: tl.constexpr, DECAY: tl.constexpr):
     """(g, dg/du) [BT, BJ] of the log-decay per token: -exp(log_decay) (DECAY 1, where dg/du is g, unused), times
-    softplus(u) / log 2 of the decay projection u (DECAY 2; torch's softplus: u itself above 20)."""
+    softplus(u) / log 2 of the decay projection u (DECAY 2)."""
     rate = -tl.exp(tl.load(log_decay + i_h * J + js, mask=m_j, other=0).to(tl.float32))[None, :]
     if DECAY == 2:
-        u = tl.load(decay_in + at, mask=m_tj, other=0).to(tl.float32)
-        softplus = tl.where(u > 20.0, u, tl.log(1.0 + tl.exp(tl.minimum(u, 20.0))))
-        # its derivative, the sigmoid, as exp(u - softplus(u)): no exp of a large argument
-        return rate * softplus / 0.6931471805599453, rate * tl.exp(tl.minimum(u - softplus, 0.0)) / 0.6931471805599453
+        return input_decay(rate, tl.load(decay_in + at, mask=m_tj, other=0).to(tl.float32))
     g = tl.where(m_tj, rate, 0.0)
     return g, g
 
