@@ -16,6 +16,7 @@ are large. Deterministic: no timing.
     python -P benchmarks/count_ops.py                       # 32K tokens, as a CPU and as a GPU runs them
     python -P benchmarks/count_ops.py --tokens 4096 --layers 1 --window pytorch   # window attention as before aa87c5d
     python -P benchmarks/count_ops.py --tokens 4096 --layers 1 --top 30           # which operators, how many
+    python -P benchmarks/count_ops.py --tokens 4096 --layers 1 --layer pytorch    # norms and MLP as the teacher's
 """
 
 import argparse
@@ -122,6 +123,9 @@ def main(argv=None):
     p.add_argument("--window", default="kernel", choices=["kernel", "pytorch"],
                    help="the window branch as a GPU runs it: its Triton kernels (when triton is installed; attention "
                    "and the decode step) or the PyTorch paths (window attention gathering each block's keys)")
+    p.add_argument("--layer", default="kernel", choices=["kernel", "pytorch"],
+                   help="the student's RMSNorm and gated MLP as a GPU runs them: their Triton kernels, or their "
+                   "PyTorch code, as the teacher runs its own (the mixer's difference alone)")
     p.add_argument("--top", type=int, default=0, help="also list each count's most frequent operators, this many "
                    "(a Triton launch by its kernel's name)")
     args = p.parse_args(argv)
@@ -134,7 +138,9 @@ def main(argv=None):
     teacher, student = teacher.eval(), student.eval()
     ids = torch.randint(3, teacher.config.vocab_size, (1, args.tokens))
     counts, first, moved = [], None, {"prefill": [], "train": {}}  # moved: MB read and written per layer
-    with mock.patch.dict(os.environ, AAREN_BACKEND="torch"):  # the C kernels off (each call asks)
+    with mock.patch.dict(os.environ, AAREN_BACKEND="torch"), contextlib.ExitStack() as layer:  # no C kernels
+        if args.layer == "pytorch":
+            layer.enter_context(mock.patch.multiple(modeling, fused_rms_norm=None, fused_swiglu=None))
         for label, as_gpu in (("as a CPU runs it", False), ("as a GPU runs it", True)):
             with mock.patch.object(modeling, "launch_bound", lambda device: as_gpu), torch.no_grad(), \
                     contextlib.ExitStack() as patches:

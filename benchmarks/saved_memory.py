@@ -12,6 +12,7 @@ models). What it cannot see: temporaries freed within the forward, the backward'
     python -P benchmarks/saved_memory.py                          # SmolLM2-135M's shape, 1 layer, 1 x 2,048, bf16
     python -P benchmarks/saved_memory.py --tokens 8192 --attention-dtype float32
     python -P benchmarks/saved_memory.py --window pytorch        # window attention as before aa87c5d
+    python -P benchmarks/saved_memory.py --layer pytorch         # norms and MLP as the teacher's: the mixer alone
     python -P benchmarks/saved_memory.py --as-cpu --dtype float32
 """
 
@@ -85,6 +86,9 @@ def main(argv=None):
     p.add_argument("--window", default="kernel", choices=["kernel", "pytorch"],
                    help="window attention by its Triton kernel, or by the PyTorch path that gathers each block's "
                    "keys and builds its mask (as before aa87c5d)")
+    p.add_argument("--layer", default="kernel", choices=["kernel", "pytorch"],
+                   help="the student's RMSNorm and gated MLP by their Triton kernels (as a GPU runs them), or by "
+                   "their PyTorch code, as the teacher runs its own (the mixer's difference alone)")
     p.add_argument("--as-cpu", action="store_true", help="as a CPU trains the student (else as a GPU does)")
     p.add_argument("--top", type=int, default=12, help="student source lines to list")
     args = p.parse_args(argv)
@@ -101,12 +105,17 @@ def main(argv=None):
             patches.enter_context(mock.patch.object(modeling, "_attention_dtype", lambda q: torch.float32))
         if args.window == "pytorch":
             patches.enter_context(mock.patch.object(modeling, "fused_window_attention", None))
+        if args.layer == "pytorch":
+            patches.enter_context(mock.patch.multiple(modeling, fused_rms_norm=None, fused_swiglu=None))
         result = {name: saved_by_line(model.to(dtype).train(), ids)
                   for name, model in (("teacher", teacher), ("student", student))}
     mib = {name: per_layer(by_line, args.layers) / 2**20 for name, by_line in result.items()}
     window = "its C kernel" if args.as_cpu else "its Triton kernel" if args.window == "kernel" else "the PyTorch path"
+    layer = "their Triton kernels" if args.layer == "kernel" else "PyTorch"
+    layer = "" if args.as_cpu else f", norms and MLP by {layer}"
     print(f"kept for backward per layer, {args.batch} x {args.tokens} tokens, {args.dtype}, as a "
-          f"{'CPU' if args.as_cpu else 'GPU'} trains it, window attention by {window} in {args.attention_dtype}: "
+          f"{'CPU' if args.as_cpu else 'GPU'} trains it, window attention by {window} in {args.attention_dtype}"
+          f"{layer}: "
           f"teacher {mib['teacher']:.1f} MiB, student {mib['student']:.1f} MiB "
           f"({mib['student'] / mib['teacher']:.2f}x)")
     for where, n in result["student"].most_common(args.top):

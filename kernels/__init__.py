@@ -14,7 +14,9 @@ and the slots a prefill piece leaves (``memory/keep.py``, ``fused_keep_memory``;
 ``AarenMixer.keep_memory``); rotary embedding in one launch (``window/rotate.py``, ``fused_rotate``; reference:
 ``rotate_by``, likewise); what a piece of tokens carries into the window's state (``window/carry.py``): the sinks'
 slots (``fused_sinks``; reference: ``fill_sinks``, likewise) and the window the next piece continues from
-(``fused_next_window``; reference: ``next_window``, likewise).
+(``fused_next_window``; reference: ``next_window``, likewise); the decoder layer's RMSNorm and a gated MLP's
+silu(gate) * up (``layer/``: ``fused_rms_norm``, ``fused_swiglu``; references ``AarenRMSNorm`` and ``AarenMLP``,
+likewise).
 
     o, final_state = chunk_aaren(s, v, g=None, initial_state=None, output_final_state=False, cu_seqlens=None,
                                  chunk_size=64)
@@ -225,6 +227,24 @@ def fused_keep_memory(evict, last, M, k, v, pos, score, k_scale=None, v_scale=No
     from .memory.keep import keep_memory_triton
 
     return keep_memory_triton(evict, last, M, k, v, pos, score, k_scale, v_scale, stored, empty)
+
+
+def fused_rms_norm(x, weight, eps, offset=False):
+    """``AarenRMSNorm`` (modeling_aaren.py) in one Triton launch forward and one backward (``layer/rmsnorm.py``),
+    keeping x and its per-row scale for backward; None where it does not take the inputs. Callers check
+    ``select_backend(x) == "triton"`` first."""
+    from .layer.rmsnorm import rms_norm_triton
+
+    return rms_norm_triton(x, weight, eps, offset)
+
+
+def fused_swiglu(gate, up):
+    """silu(gate) * up (``AarenMLP``, modeling_aaren.py) in one Triton launch forward and one backward
+    (``layer/swiglu.py``), keeping gate and up for backward; None where it does not take the inputs. Callers check
+    ``select_backend(gate) == "triton"`` first."""
+    from .layer.swiglu import swiglu_triton
+
+    return swiglu_triton(gate, up)
 
 
 def fused_memory_lists(evict, last, T, nblk, Q, width):

@@ -150,8 +150,9 @@ def test_count_ops_as_a_gpu_runs_it_runs_fewer_operators():
     ranks 448 of the tokens that left its 64-token window) runs fewer operators as a GPU runs it (one piece, one
     window-attention call, larger sweep passes; fewer still with the window kernel than with the PyTorch window path),
     with the same logits to float rounding, and moves fewer bytes with the window kernel; at one layer a decode step
-    runs fewer operators than the teacher's (with the step kernels), a train step more, and it moves more bytes;
-    ``launch_bound`` and the C kernels' switch are left as they were."""
+    runs fewer operators than the teacher's (with the step kernels); a train step runs and moves more with the PyTorch
+    window path and the PyTorch norms and MLP than with their kernels; ``launch_bound`` and the C kernels' switch are
+    left as they were."""
     import os
 
     load_bench()
@@ -161,16 +162,18 @@ def test_count_ops_as_a_gpu_runs_it_runs_fewer_operators():
 
     before = modeling_aaren.launch_bound, os.environ.get("AAREN_BACKEND")
     counts = count_ops.main(["--tokens", "4000", "--layers", "1", "--decode-prompt", "600", "--train-tokens", "130"])
-    assert counts["train"]["student"] > counts["train"]["teacher"] > 0
-    assert counts["MB"]["train"]["student"] > counts["MB"]["train"]["teacher"] > 0
+    assert counts["train"]["student"] > 0 and counts["train"]["teacher"] > 0
+    assert counts["MB"]["train"]["student"] > 0 and counts["MB"]["train"]["teacher"] > 0
     (cpu, _), (gpu, diff_gpu) = counts["prefill"]
     assert cpu > 2 * gpu > 0
-    if modeling_aaren.fused_window_attention is not None and triton_available():  # the kernel: fewer operators
-        gathered = count_ops.main(["--tokens", "4000", "--layers", "1", "--decode-prompt", "600", "--window", "pytorch",
-                                   "--train-tokens", "0"])
-        assert gathered["train"] == {}
-        assert gathered["prefill"][1][0] > gpu + 20
-        assert gathered["MB"]["prefill"][1] > counts["MB"]["prefill"][1] > 0  # each block's keys gathered
+    if modeling_aaren.fused_window_attention is not None and triton_available():  # the kernels: fewer operators
+        plain = count_ops.main(["--tokens", "4000", "--layers", "1", "--decode-prompt", "600", "--window", "pytorch",
+                                "--layer", "pytorch", "--train-tokens", "130"])
+        assert plain["train"]["teacher"] == counts["train"]["teacher"]
+        assert plain["train"]["student"] > counts["train"]["student"] + 20
+        assert plain["MB"]["train"]["student"] > counts["MB"]["train"]["student"]
+        assert plain["prefill"][1][0] > gpu + 20
+        assert plain["MB"]["prefill"][1] > counts["MB"]["prefill"][1] > 0  # each block's keys gathered
     assert diff_gpu < 1e-4
     if modeling_aaren.fused_window_step is not None and triton_available():
         assert 0 < counts["decode"]["student"] < counts["decode"]["teacher"]
@@ -179,9 +182,11 @@ def test_count_ops_as_a_gpu_runs_it_runs_fewer_operators():
 
 def test_saved_memory_counts_what_16_bit_window_attention_saves():
     """benchmarks/saved_memory.py: the bytes a training forward keeps for backward, per layer, as a GPU runs the
-    student. Window attention in the model's 16-bit dtype keeps less than in float32, and its Triton kernel less
-    than the PyTorch path (the gathered keys and values, the mask); the teacher's count is the same in every run;
-    ``launch_bound``, ``_attention_dtype`` and the interpreter switch are left as they were."""
+    student. With the teacher's PyTorch norms and MLP (``--layer pytorch``) the student keeps more than the teacher
+    (its mixer), window attention in the model's 16-bit dtype less than in float32, and its Triton kernel less than
+    the PyTorch path (the gathered keys and values, the mask); the norm and MLP kernels keep less than their PyTorch
+    code (the float32 copies, silu(gate)); the teacher's count is the same in every run; ``launch_bound``,
+    ``_attention_dtype`` and the interpreter switch are left as they were."""
     import os
 
     pytest.importorskip("triton")
@@ -190,14 +195,18 @@ def test_saved_memory_counts_what_16_bit_window_attention_saves():
     from aaren_hf import modeling_aaren
 
     before = modeling_aaren.launch_bound, modeling_aaren._attention_dtype, os.environ.get("TRITON_INTERPRET")
-    runs = {dtype: saved_memory.main(["--tokens", "160", "--attention-dtype", dtype])[0]
+    runs = {dtype: saved_memory.main(["--tokens", "160", "--attention-dtype", dtype, "--layer", "pytorch"])[0]
             for dtype in ("model", "float32")}
     assert runs["model"]["teacher"] == runs["float32"]["teacher"] > 0
     assert runs["model"]["teacher"] < runs["model"]["student"] < runs["float32"]["student"]
     # the window kernel keeps its inputs, output and log-sum-exp, not each block's gathered keys and its mask
-    gathered = saved_memory.main(["--tokens", "160", "--window", "pytorch"])[0]
+    gathered = saved_memory.main(["--tokens", "160", "--window", "pytorch", "--layer", "pytorch"])[0]
     assert gathered["teacher"] == runs["model"]["teacher"]
     assert runs["model"]["student"] < gathered["student"] - 0.5
+    # two norms' float32 inputs (2 x 4 bytes per hidden unit) and silu(gate) (2 bytes per MLP unit) per token
+    kernels = saved_memory.main(["--tokens", "160"])[0]
+    assert kernels["teacher"] == runs["model"]["teacher"]
+    assert kernels["student"] < runs["model"]["student"] - 0.9 * 160 * (8 * 576 + 2 * 1536) / 2**20
     assert (modeling_aaren.launch_bound, modeling_aaren._attention_dtype, os.environ.get("TRITON_INTERPRET")) == before
 
 

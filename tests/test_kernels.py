@@ -910,6 +910,7 @@ from aaren_hf.kernels.memory import codes as memory_codes, evict as memory_evict
 from aaren_hf.kernels.memory import lists as memory_lists
 from aaren_hf.kernels.window import chunk as window_chunk, fused_recurrent as window_step, rotate
 from aaren_hf.kernels.window import carry as window_carry
+from aaren_hf.kernels.layer import rmsnorm, swiglu
 
 def aot(fn, sig, consts, **options):
     jf = triton.jit(fn)
@@ -986,6 +987,15 @@ for x, D, BD, rot, inverse in ((B, 64, 64, 64, False), (B, 64, 64, 64, True), (P
     aot(rotate._rotate_kernel, dict(x=x, cos=P, sin=P, out=x, NH="i64", T="i32", stride_b="i64", stride_t="i64"),
         dict(H=9, D=D, BD=BD, ROT=rot, BR=4096 // BD, INVERSE=inverse), num_warps=4, num_stages=1,
         enable_fp_fusion=False)
+for x, w, BN, offset in ((B, B, 1024, False), (B, B, 1024, True), (B, P, 4096, False), (P, P, 512, False)):
+    aot(rmsnorm._rms_norm_fwd_kernel, dict(x=x, w=w, y=w, rstd=P, R="i32", N="i32", eps="fp32"),
+        dict(BR=4096 // BN, BN=BN, OFFSET=offset), num_warps=8, num_stages=1)
+    aot(rmsnorm._rms_norm_bwd_kernel, dict(x=x, w=w, rstd=P, dy=w, dx=x, dw=P, R="i32", N="i32", P="i32"),
+        dict(BR=4096 // BN, BN=BN, OFFSET=offset), num_warps=4, num_stages=1)
+for x, N in ((B, "i32"), ("*fp16", "i64")):
+    aot(swiglu._swiglu_fwd_kernel, dict(gate=x, up=x, h=x, N=N), dict(BLOCK=1024), num_warps=4, num_stages=1)
+    aot(swiglu._swiglu_bwd_kernel, dict(gate=x, up=x, dh=x, dgate=x, dup=x, N=N), dict(BLOCK=1024), num_warps=4,
+        num_stages=1)
 """
 
 
@@ -1539,6 +1549,100 @@ def test_scan_inputs_kernel_vs_the_reference_in_float64(J, Hkv, decay, spread, d
     assert len(ran) == 2 and {"dq", "dk"} <= frozen.keys() and "dqueries" not in frozen
     for name, a in frozen.items():
         assert (a is None and got[name] is None) or torch.equal(a, got[name]), name
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype, device", [(torch.float32, "cpu"), (torch.bfloat16, "cpu"), (torch.float16, "cpu"),
+                                           pytest.param(torch.bfloat16, "cuda", marks=pytest.mark.requires_gpu)])
+@pytest.mark.parametrize("offset", [False, True])
+def test_rms_norm_kernel_vs_the_reference_in_float64(offset, dtype, device, monkeypatch):
+    """RMSNorm in Triton (kernels/layer/rmsnorm.py), through the model's ``AarenRMSNorm`` as a GPU runs it, against
+    the module's PyTorch code run in float64 on the same values: the output and the gradients of x and the weight,
+    Llama's scale and Gemma's (1 + weight); rows whose scales span 1e-3 to 1e3 and a row of zeros (no NaN), a width
+    that is not a power of 2, the backward's programs each taking several blocks of rows (a strided share); with the
+    weight frozen, x's gradient bit for bit. The PyTorch code in the same dtype is held to the same tolerance."""
+    import aaren_hf.modeling_aaren as modeling
+    from aaren_hf.kernels.layer import rmsnorm
+
+    gen = torch.Generator().manual_seed(0)
+    B, T, N = 3, 37, 300
+    x = torch.randn(B, T, N, generator=gen) * 10 ** (torch.rand(B, T, 1, generator=gen) * 6 - 3)
+    x[1, 5] = 0
+    dy = torch.randn(B, T, N, generator=gen)
+    norm = modeling.AarenRMSNorm(N, eps=1e-5, unit_offset=offset)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(N, generator=gen) * 0.3 + (0 if offset else 1))
+    monkeypatch.setattr(rmsnorm, "_BWD_PROGRAMS", 3)
+    ran = []
+    monkeypatch.setattr(modeling, "fused_rms_norm", lambda *a: ran.append(1) or K.fused_rms_norm(*a))
+
+    def normed(compute, gpu, frozen=False):
+        # in float64: the values of the ``dtype`` module and input, computed exactly
+        module = copy.deepcopy(norm).to(dtype).to(device).to(compute).requires_grad_(not frozen)
+        xi = x.to(dtype).to(device).to(compute).requires_grad_()
+        with monkeypatch.context() as m:
+            m.setattr(modeling, "launch_bound", lambda device: gpu)
+            y = module(xi)
+        assert y.dtype == compute and y.shape == x.shape
+        wrt = [xi] if frozen else [xi, module.weight]
+        return [y.detach(), *torch.autograd.grad(y, wrt, dy.to(device).to(compute))]
+
+    want = normed(torch.float64, False)
+    got, reference = normed(dtype, True), normed(dtype, False)
+    assert len(ran) == 1
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for name, a, r, b in zip(("y", "dx", "dweight"), got, reference, want, strict=True):
+        assert a.isfinite().all() and a.dtype == r.dtype
+        size = b.abs().max()
+        assert (a.double() - b).abs().max() <= tol * size, (name, float((a.double() - b).abs().max() / size))
+        assert (r.double() - b).abs().max() <= tol * size, (name, "reference")
+    assert not got[0][1, 5].any()
+    frozen = normed(dtype, True, frozen=True)
+    assert len(ran) == 2 and len(frozen) == 2 and torch.equal(frozen[1], got[1])
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype, device", [(torch.float32, "cpu"), (torch.bfloat16, "cpu"), (torch.float16, "cpu"),
+                                           pytest.param(torch.bfloat16, "cuda", marks=pytest.mark.requires_gpu)])
+def test_swiglu_kernel_vs_the_reference_in_float64(dtype, device, monkeypatch):
+    """A gated MLP's silu(gate) * up in Triton (kernels/layer/swiglu.py), through the model's ``AarenMLP`` as a GPU
+    runs it, against its PyTorch code run in float64 on the same values: the MLP's output and the gradients of its
+    input and its three weights; gate values from -100 to 100 (exp overflows to inf in float32: no NaN), a size
+    that is no multiple of the kernel's block. An MLP of another activation (GELU-tanh) keeps the PyTorch code. The
+    PyTorch code in the same dtype is held to the same tolerance."""
+    import aaren_hf.modeling_aaren as modeling
+    from helpers import tiny_config
+
+    gen = torch.Generator().manual_seed(0)
+    mlp = modeling.AarenMLP(tiny_config(hidden_act="silu", intermediate_size=100))
+    with torch.no_grad():
+        mlp.gate_proj.weight.mul_(torch.linspace(0.1, 60, mlp.gate_proj.out_features)[:, None])
+    x = torch.randn(3, 37, mlp.gate_proj.in_features, generator=gen)
+    dy = torch.randn(3, 37, mlp.down_proj.out_features, generator=gen)
+    ran = []
+    monkeypatch.setattr(modeling, "fused_swiglu", lambda *a: ran.append(1) or K.fused_swiglu(*a))
+
+    def run_mlp(module, compute, gpu):
+        module = copy.deepcopy(module).to(dtype).to(device).to(compute)
+        xi = x.to(dtype).to(device).to(compute).requires_grad_()
+        with monkeypatch.context() as m:
+            m.setattr(modeling, "launch_bound", lambda device: gpu)
+            y = module(xi)
+        wrt = [xi, module.gate_proj.weight, module.up_proj.weight, module.down_proj.weight]
+        return [y.detach(), *torch.autograd.grad(y, wrt, dy.to(device).to(compute))]
+
+    want = run_mlp(mlp, torch.float64, False)
+    got, reference = run_mlp(mlp, dtype, True), run_mlp(mlp, dtype, False)
+    assert len(ran) == 1
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for name, a, r, b in zip(("y", "dx", "dgate", "dup", "ddown"), got, reference, want, strict=True):
+        assert a.isfinite().all() and a.dtype == r.dtype
+        size = b.abs().max()
+        assert (a.double() - b).abs().max() <= tol * size, (name, float((a.double() - b).abs().max() / size))
+        assert (r.double() - b).abs().max() <= tol * size, (name, "reference")
+    gelu = modeling.AarenMLP(tiny_config(hidden_act="gelu_pytorch_tanh", intermediate_size=100))
+    run_mlp(gelu, dtype, True)
+    assert len(ran) == 1
 
 
 @needs_triton
