@@ -154,18 +154,33 @@ def _window_fwd_kernel(
 
 def _window_bwd_kernel(
     q, qpos, cos, sin, ks, vs, spos, mk, mv, evict, last, idx, counts, sink_s, sink_v, sink_pos, lse, do, o,
-    dq, dks, dvs, dmk, dmv, dsink_s, dsink_v,
+    diff, mw, da, dmw, dq, dks, dvs, dmk, dmv, dsink_s, dsink_v,
     T, Ls, P0, W, C, K, NB, scale,
     H: tl.constexpr, HKV: tl.constexpr, S: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BQ: tl.constexpr,
-    BK: tl.constexpr, HAS_MEM: tl.constexpr, DOT_PREC: tl.constexpr, ROT: tl.constexpr,
+    BK: tl.constexpr, HAS_MEM: tl.constexpr, DOT_PREC: tl.constexpr, ROT: tl.constexpr, MIXED: tl.constexpr,
+    MW_ROWS: tl.constexpr,
 ):
     i_q, b, hk, rows, m_q, cols, m_d, qp, valid, row_off, b_q = _query_block(q, qpos, cos, sin, T, H, HKV, D, BD,
                                                                               BQ, ROT)
     m_qd = m_q[:, None] & m_d[None, :]
-    b_do = tl.load(do + row_off[:, None] * D + cols[None, :], mask=m_qd, other=0).to(tl.float32)
+    at_q = row_off[:, None] * D + cols[None, :]
+    b_do = tl.load(do + at_q, mask=m_qd, other=0).to(tl.float32)
     b_lse = tl.load(lse + row_off, mask=m_q, other=0)
+    b_o = tl.load(o + at_q, mask=m_qd, other=0).to(tl.float32)
+    if MIXED:  # o and do are the mix's: lerp(a, o, w)'s gradients as autograd forms them, rounded as it rounds
+        DT: tl.constexpr = do.dtype.element_ty
+        if MW_ROWS:
+            w = tl.load(mw + row_off, mask=m_q, other=0).to(tl.float32)[:, None]
+        else:
+            w = tl.load(mw + tl.program_id(1) % H + 0 * row_off).to(tl.float32)[:, None]
+        b_diff = tl.load(diff + at_q, mask=m_qd, other=0).to(tl.float32)
+        rest = _cast(1.0 - w, DT).to(tl.float32)
+        tl.store(da + at_q, _cast(b_do * rest, DT), mask=m_qd)
+        tl.store(dmw + row_off, _cast(tl.reduce(_cast(b_do * b_diff, DT).to(tl.float32), 1, _ADD),
+                                      dmw.dtype.element_ty), mask=m_q)
+        b_o = _cast(b_o + b_diff * rest, DT).to(tl.float32)  # the window's own output, rebuilt
+        b_do = _cast(b_do * w, DT).to(tl.float32)
     # rowsum(o * do), the softmax's backward term: this program's rows are whole, so no pass before it
-    b_o = tl.load(o + row_off[:, None] * D + cols[None, :], mask=m_qd, other=0).to(tl.float32)
     b_delta = tl.reduce(b_o * b_do, 1, _ADD)
     b_dq = tl.full([BQ, BD], 0.0, tl.float32)
 
@@ -219,7 +234,7 @@ def _window_bwd_kernel(
         tl.store(dsink_s + row_off * S + j, _cast(p * (dp - b_delta) * scale, dsink_s.dtype.element_ty), mask=m_q)
         tl.atomic_add(dsink_v + sv_at, tl.reduce(p[:, None] * b_do, 0, _ADD), mask=m_d)
 
-    tl.store(dq + row_off[:, None] * D + cols[None, :], _cast(b_dq, dq.dtype.element_ty), mask=m_qd)
+    tl.store(dq + at_q, _cast(b_dq, dq.dtype.element_ty), mask=m_qd)
 
 
 class WindowAttentionFunction(torch.autograd.Function):
@@ -254,19 +269,21 @@ class WindowAttentionFunction(torch.autograd.Function):
     def backward(ctx, do):
         (q, ks, vs, mk, mv, sink_s, sink_v, qpos, spos, evict, last, idx, counts, sink_pos, cos, sin, lse,
          *kept) = ctx.saved_tensors
-        mixed = ()
-        if ctx.mixed:
-            out, diff, weight = kept
-            # lerp(a, o, w) = a + w (o - a), so o = out + (1 - w) (o - a), rounded once to out's dtype as o was (the
-            # kernel reads it for the softmax's row sums only); the gradients of the Aaren output and the weight as
-            # autograd forms lerp's (broadcast: it sums each to its input's shape)
-            rest = 1 - weight
-            kept = [torch.addcmul(out, diff, rest)]
-            needs = ctx.needs_input_grad
-            mixed = (do * rest if needs[19] else None, do * diff if needs[20] else None)
-            do = do * weight
-        o, = kept
         do = do.contiguous()
+        B, T, H, _ = q.shape
+        if ctx.mixed:
+            # lerp(a, o, w) = a + w (o - a): the kernel rebuilds o = out + (1 - w) (o - a), rounded once to out's
+            # dtype as o was (it reads o for the softmax's row sums only), and writes the Aaren output's gradient
+            # and the weight's per row, as autograd forms lerp's (a weight per head: the rows summed here)
+            o, diff, weight = kept
+            rows = weight.dim() > 2  # [B, T, H, 1] (else [H, 1]); a broadcast one expanded (autograd sums back)
+            weight = (weight.expand(B, T, H, 1) if rows else weight.expand(H, 1)).contiguous()
+            da = torch.empty_like(do)
+            dmw = torch.empty(B, T, H, device=q.device, dtype=weight.dtype if rows else torch.float32)
+        else:
+            o, = kept
+            diff = weight = da = dmw = o  # not read
+            rows = False
         # dq and the sinks' score gradients are written once, in their inputs' dtype; the kernel adds into the
         # others (atomics, float32), which share one buffer: one fill, and one cast back where their dtypes agree
         dq, dsink_s = torch.empty_like(q), torch.empty_like(sink_s)
@@ -278,7 +295,14 @@ class WindowAttentionFunction(torch.autograd.Function):
         # hold its tiles (q, dO, dq, k, v, scores, their gradients: 64 x 64 each) in registers
         get_kernel(_window_bwd_kernel, key=("D", "HAS_MEM", "ROT"), warps=(8,), stages=(2,))[ctx.grid](
             q, qpos, cos, sin, ks, vs, spos, mk, mv, evict, last, idx, counts, sink_s, sink_v, sink_pos, lse, do, o,
-            dq, dks, dvs, dmk, dmv, dsink_s, dsink_v, *ctx.args, **ctx.meta, enable_fp_fusion=False)
+            diff, weight, da, dmw, dq, dks, dvs, dmk, dmv, dsink_s, dsink_v, *ctx.args, **ctx.meta, MIXED=ctx.mixed,
+            MW_ROWS=rows, enable_fp_fusion=False)
+        mixed = ()
+        if ctx.mixed:
+            needs = ctx.needs_input_grad
+            mixed = (da if needs[19] else None,
+                     None if not needs[20] else dmw.unsqueeze(-1) if rows else dmw.sum((0, 1)).view(H, 1).to(
+                         weight.dtype))
         if ctx.meta["ROT"]:  # dq is the turned queries' gradient: turned back, as _Rotate's backward turns it
             dq = rotate_triton(dq, cos, sin, inverse=True)
         dtypes = {t.dtype for t in added}
