@@ -15,14 +15,14 @@ at most M + BQ), and decides what each query sees from positions and indices as 
 
 Online softmax in float32 (scores, running max and sum, output); what is saved for backward is the inputs, o and the
 per-row log-sum-exp. In a layer with an Aaren branch the output may leave mixed with that branch's (``mix``:
-``mix_branches``' lerp and its gradients, autograd's formulas): then o is not kept but rebuilt in backward from the
-mixed output, which the layer's output projection keeps anyway, and the branches' difference, which the gate's
-gradient reads: two tensors of the output's size kept, where the two steps apart keep three (o, the Aaren output,
-the mixed output). The queries may come as they were projected, with their rotary angles: each program turns its
-block as it reads it, so no turned copy is written, nor kept for training (a layer's largest input). The backward
-recomputes the probabilities from the lse, writes dq per program and adds dk and dv of the keys it read with float32
-atomics (a key is read by up to two blocks of the window and by every block of its memory stretch, for each of the G
-query heads of its kv head).
+``mix_branches``' lerp and its gradients, autograd's formulas and roundings, formed in the backward kernel): then o
+is not kept but rebuilt in backward, in registers, from the mixed output, which the layer's output projection keeps
+anyway, and the branches' difference, which the gate's gradient reads: two tensors of the output's size kept, where
+the two steps apart keep three (o, the Aaren output, the mixed output). The queries may come as they were projected,
+with their rotary angles: each program turns its block as it reads it, so no turned copy is written, nor kept for
+training (a layer's largest input). The backward recomputes the probabilities from the lse, writes dq per program and
+adds dk and dv of the keys it read with float32 atomics (a key is read by up to two blocks of the window and by every
+block of its memory stretch, for each of the G query heads of its kv head).
 
 Loads are converted to float32; dots run as the scan's do (``_dot_precision``: "ieee" for float32 inputs, tf32 for
 16-bit ones where the GPU has it).
