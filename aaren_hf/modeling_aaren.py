@@ -32,11 +32,11 @@ from .configuration_aaren import AarenConfig
 
 try:  # Triton kernels on CUDA and the C kernels on CPUs, when this package is installed; the PyTorch code in this
     # file serves everywhere else (a checkpoint's own copy of it: nothing else to install)
-    from aaren_hf.kernels import (WINDOW_BLOCK, chunk_aaren, fused_aaren_step, fused_chunk_aaren_mixed,
+    from aaren_hf.kernels import (WINDOW_BLOCK, chunk_aaren, fused_aaren_step, fused_chunk_aaren_mixed, fused_glu,
                                   fused_keep_memory, fused_memory_evict, fused_memory_lists, fused_memory_round,
                                   fused_next_window, fused_recurrent_aaren, fused_rms_norm, fused_rotate,
-                                  fused_round_retention, fused_scan_inputs, fused_sinks, fused_swiglu,
-                                  fused_window_attention, fused_window_step, select_backend)
+                                  fused_round_retention, fused_scan_inputs, fused_sinks, fused_window_attention,
+                                  fused_window_step, select_backend)
     from aaren_hf.kernels.aaren import aaren_prefill_cpu
     from aaren_hf.kernels.memory import memory_evict_cpu, memory_prefill_cpu, memory_round_cpu
     from aaren_hf.kernels.mixer import mixer_prefill_cpu, mixer_step_cpu
@@ -50,7 +50,7 @@ except ImportError:
     fused_aaren_step = fused_chunk_aaren_mixed = fused_keep_memory = fused_memory_evict = fused_memory_lists = None
     fused_memory_round = None
     fused_next_window = fused_rotate = fused_round_retention = fused_scan_inputs = fused_sinks = None
-    fused_rms_norm = fused_swiglu = fused_window_attention = None
+    fused_glu = fused_rms_norm = fused_window_attention = None
     fused_window_step = window_cpu_takes = window_prefill_cpu = None
 
 
@@ -342,14 +342,15 @@ class AarenMLP(nn.Module):
             self.fc_in = nn.Linear(h, i, bias=bias)
             self.fc_out = nn.Linear(i, h, bias=bias)
         self.act_fn = ACT2FN[config.hidden_act]
-        self.silu = config.hidden_act in ("silu", "swish")
+        # the activations the Triton kernel computes (torch's formulas), by the kernel's names for them
+        self.glu_act = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}.get(config.hidden_act)
 
     def forward(self, x):
         if self.gated:
             gate, up = self.gate_proj(x), self.up_proj(x)
-            if self.silu and takes_triton(fused_swiglu, gate):
-                # one launch each way, keeping gate and up for backward, not silu(gate) besides
-                h = fused_swiglu(gate, up)
+            if self.glu_act and takes_triton(fused_glu, gate):
+                # one launch each way, keeping gate and up for backward, not act(gate) besides
+                h = fused_glu(gate, up, self.glu_act)
                 if h is not None:
                     return self.down_proj(h)
             return self.down_proj(self.act_fn(gate) * up)

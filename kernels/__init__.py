@@ -15,7 +15,7 @@ and the slots a prefill piece leaves (``memory/keep.py``, ``fused_keep_memory``;
 ``rotate_by``, likewise); what a piece of tokens carries into the window's state (``window/carry.py``): the sinks'
 slots (``fused_sinks``; reference: ``fill_sinks``, likewise) and the window the next piece continues from
 (``fused_next_window``; reference: ``next_window``, likewise); the decoder layer's RMSNorm and a gated MLP's
-silu(gate) * up (``layer/``: ``fused_rms_norm``, ``fused_swiglu``; references ``AarenRMSNorm`` and ``AarenMLP``,
+act(gate) * up (``layer/``: ``fused_rms_norm``, ``fused_glu``; references ``AarenRMSNorm`` and ``AarenMLP``,
 likewise).
 
     o, final_state = chunk_aaren(s, v, g=None, initial_state=None, output_final_state=False, cu_seqlens=None,
@@ -238,13 +238,13 @@ def fused_rms_norm(x, weight, eps, offset=False):
     return rms_norm_triton(x, weight, eps, offset)
 
 
-def fused_swiglu(gate, up):
-    """silu(gate) * up (``AarenMLP``, modeling_aaren.py) in one Triton launch forward and one backward
-    (``layer/swiglu.py``), keeping gate and up for backward; None where it does not take the inputs. Callers check
-    ``select_backend(gate) == "triton"`` first."""
-    from .layer.swiglu import swiglu_triton
+def fused_glu(gate, up, act):
+    """act(gate) * up (``AarenMLP``, modeling_aaren.py; ``act`` "silu" or "gelu_tanh") in one Triton launch forward
+    and one backward (``layer/glu.py``), keeping gate and up for backward; None where it does not take the inputs.
+    Callers check ``select_backend(gate) == "triton"`` first."""
+    from .layer.glu import glu_triton
 
-    return swiglu_triton(gate, up)
+    return glu_triton(gate, up, act)
 
 
 def fused_memory_lists(evict, last, T, nblk, Q, width):

@@ -910,7 +910,7 @@ from aaren_hf.kernels.memory import codes as memory_codes, evict as memory_evict
 from aaren_hf.kernels.memory import lists as memory_lists
 from aaren_hf.kernels.window import chunk as window_chunk, fused_recurrent as window_step, rotate
 from aaren_hf.kernels.window import carry as window_carry
-from aaren_hf.kernels.layer import rmsnorm, swiglu
+from aaren_hf.kernels.layer import glu, rmsnorm
 
 def aot(fn, sig, consts, **options):
     jf = triton.jit(fn)
@@ -994,9 +994,9 @@ for x, w, BN, offset in ((B, B, 1024, False), (B, B, 1024, True), (B, P, 4096, F
         dict(BR=4096 // BN, BN=BN, OFFSET=offset), num_warps=8, num_stages=1)
     aot(rmsnorm._rms_norm_bwd_kernel, dict(x=x, w=w, rstd=P, dy=w, dx=x, dw=P, R="i32", N="i32", P="i32"),
         dict(BR=4096 // BN, BN=BN, OFFSET=offset), num_warps=4, num_stages=1)
-for x, N in ((B, "i32"), ("*fp16", "i64")):
-    aot(swiglu._swiglu_fwd_kernel, dict(gate=x, up=x, h=x, N=N), dict(BLOCK=1024), num_warps=4, num_stages=1)
-    aot(swiglu._swiglu_bwd_kernel, dict(gate=x, up=x, dh=x, dgate=x, dup=x, N=N), dict(BLOCK=1024), num_warps=4,
+for x, N, act in ((B, "i32", 0), ("*fp16", "i64", 0), (B, "i32", 1)):
+    aot(glu._glu_fwd_kernel, dict(gate=x, up=x, h=x, N=N), dict(BLOCK=1024, ACT=act), num_warps=4, num_stages=1)
+    aot(glu._glu_bwd_kernel, dict(gate=x, up=x, dh=x, dgate=x, dup=x, N=N), dict(BLOCK=1024, ACT=act), num_warps=4,
         num_stages=1)
 """
 
@@ -1612,23 +1612,24 @@ def test_rms_norm_kernel_vs_the_reference_in_float64(offset, dtype, device, monk
 @needs_triton
 @pytest.mark.parametrize("dtype, device", [(torch.float32, "cpu"), (torch.bfloat16, "cpu"), (torch.float16, "cpu"),
                                            pytest.param(torch.bfloat16, "cuda", marks=pytest.mark.requires_gpu)])
-def test_swiglu_kernel_vs_the_reference_in_float64(dtype, device, monkeypatch):
-    """A gated MLP's silu(gate) * up in Triton (kernels/layer/swiglu.py), through the model's ``AarenMLP`` as a GPU
-    runs it, against its PyTorch code run in float64 on the same values: the MLP's output and the gradients of its
-    input and its three weights; gate values from -100 to 100 (exp overflows to inf in float32: no NaN), a size
-    that is no multiple of the kernel's block. An MLP of another activation (GELU-tanh) keeps the PyTorch code. The
-    PyTorch code in the same dtype is held to the same tolerance."""
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
+def test_gated_mlp_kernel_vs_the_reference_in_float64(act, dtype, device, monkeypatch):
+    """A gated MLP's act(gate) * up in Triton (kernels/layer/glu.py), through the model's ``AarenMLP`` as a GPU runs
+    it, against its PyTorch code run in float64 on the same values: the MLP's output and the gradients of its input
+    and its three weights, for silu (Llama) and the tanh-approximated GELU (Gemma); gate values from -100 to 100
+    (exp of them overflows float32: no NaN), a size that is no multiple of the kernel's block. An MLP of another
+    activation (ReLU) keeps the PyTorch code. The PyTorch code in the same dtype is held to the same tolerance."""
     import aaren_hf.modeling_aaren as modeling
     from helpers import tiny_config
 
     gen = torch.Generator().manual_seed(0)
-    mlp = modeling.AarenMLP(tiny_config(hidden_act="silu", intermediate_size=100))
+    mlp = modeling.AarenMLP(tiny_config(hidden_act=act, intermediate_size=100))
     with torch.no_grad():
         mlp.gate_proj.weight.mul_(torch.linspace(0.1, 60, mlp.gate_proj.out_features)[:, None])
     x = torch.randn(3, 37, mlp.gate_proj.in_features, generator=gen)
     dy = torch.randn(3, 37, mlp.down_proj.out_features, generator=gen)
     ran = []
-    monkeypatch.setattr(modeling, "fused_swiglu", lambda *a: ran.append(1) or K.fused_swiglu(*a))
+    monkeypatch.setattr(modeling, "fused_glu", lambda *a: ran.append(1) or K.fused_glu(*a))
 
     def run_mlp(module, compute, gpu):
         module = copy.deepcopy(module).to(dtype).to(device).to(compute)
@@ -1648,8 +1649,8 @@ def test_swiglu_kernel_vs_the_reference_in_float64(dtype, device, monkeypatch):
         size = b.abs().max()
         assert (a.double() - b).abs().max() <= tol * size, (name, float((a.double() - b).abs().max() / size))
         assert (r.double() - b).abs().max() <= tol * size, (name, "reference")
-    gelu = modeling.AarenMLP(tiny_config(hidden_act="gelu_pytorch_tanh", intermediate_size=100))
-    run_mlp(gelu, dtype, True)
+    relu = modeling.AarenMLP(tiny_config(hidden_act="relu", intermediate_size=100))
+    run_mlp(relu, dtype, True)
     assert len(ran) == 1
 
 
