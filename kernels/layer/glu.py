@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ..aaren.chunk import device_function, get_kernel
-from ..memory.codes import _cast
+from ..memory.codes import _cast, _rounded
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 _BLOCK = 1024
@@ -44,7 +44,7 @@ def _load(gate, up, N, BLOCK: tl.constexpr, ACT: tl.constexpr):
     b_g = tl.load(gate + at, mask=m, other=0).to(tl.float32)
     act, slope = _activation(b_g, ACT)
     # act(gate) as the eager operator leaves it: in the inputs' dtype
-    return at, m, _cast(act, gate.dtype.element_ty).to(tl.float32), slope, tl.load(up + at, mask=m,
+    return at, m, _rounded(act, gate.dtype.element_ty), slope, tl.load(up + at, mask=m,
                                                                                    other=0).to(tl.float32)
 
 
@@ -56,7 +56,7 @@ def _glu_fwd_kernel(gate, up, h, N, BLOCK: tl.constexpr, ACT: tl.constexpr):
 def _glu_bwd_kernel(gate, up, dh, dgate, dup, N, BLOCK: tl.constexpr, ACT: tl.constexpr):
     at, m, act, slope, b_u = _load(gate, up, N, BLOCK, ACT)
     b_dh = tl.load(dh + at, mask=m, other=0).to(tl.float32)
-    dact = _cast(b_dh * b_u, gate.dtype.element_ty).to(tl.float32)  # the product's gradient, rounded as autograd's
+    dact = _rounded(b_dh * b_u, gate.dtype.element_ty)  # the product's gradient, rounded as autograd's
     tl.store(dup + at, _cast(b_dh * act, dup.dtype.element_ty), mask=m)
     tl.store(dgate + at, _cast(dact * slope, dgate.dtype.element_ty), mask=m)
 

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from ..aaren.chunk import _ADD, device_function, get_kernel
-from ..memory.codes import _cast
+from ..memory.codes import _cast, _rounded
 
 _BLOCK_ELEMENTS = 4096  # of a program's [rows, hidden] tile
 _MAX_HIDDEN = 32768  # wider rows than this stay with PyTorch (a row is one tile)
@@ -26,23 +26,24 @@ _BWD_PROGRAMS = 1024  # the backward's programs, each a strided share of the row
 
 
 @device_function
-def _rounded(x, DTYPE: tl.constexpr):
-    return _cast(x, DTYPE).to(tl.float32)
-
-
-@device_function
-def _rows(x, w, start, R, N, BR: tl.constexpr, BN: tl.constexpr):
-    """A block of BR rows from ``start``: (their offsets, mask, x in float32, the weight in float32)."""
+def _rows(x, start, R, N, BR: tl.constexpr, BN: tl.constexpr):
+    """A block of BR rows from ``start``: (their offsets, mask, x in float32)."""
     rows = start + tl.arange(0, BR).to(tl.int64)
     cols = tl.arange(0, BN)
     m = (rows < R)[:, None] & (cols < N)[None, :]
     at = rows[:, None] * N + cols[None, :]
-    return rows, at, m, tl.load(x + at, mask=m, other=0).to(tl.float32), tl.load(w + cols, mask=cols < N,
-                                                                                 other=0).to(tl.float32)
+    return rows, at, m, tl.load(x + at, mask=m, other=0).to(tl.float32)
+
+
+@device_function
+def _weight(w, N, BN: tl.constexpr):
+    cols = tl.arange(0, BN)
+    return tl.load(w + cols, mask=cols < N, other=0).to(tl.float32)
 
 
 def _rms_norm_fwd_kernel(x, w, y, rstd, R, N, eps, BR: tl.constexpr, BN: tl.constexpr, OFFSET: tl.constexpr):
-    rows, at, m, b_x, b_w = _rows(x, w, tl.program_id(0).to(tl.int64) * BR, R, N, BR, BN)
+    rows, at, m, b_x = _rows(x, tl.program_id(0).to(tl.int64) * BR, R, N, BR, BN)
+    b_w = _weight(w, N, BN)
     r = tl.rsqrt(tl.reduce(b_x * b_x, 1, _ADD) / N + eps)
     n = b_x * r[:, None]
     if OFFSET:
@@ -56,9 +57,10 @@ def _rms_norm_fwd_kernel(x, w, y, rstd, R, N, eps, BR: tl.constexpr, BN: tl.cons
 def _rms_norm_bwd_kernel(x, w, rstd, dy, dx, dw, R, N, P, BR: tl.constexpr, BN: tl.constexpr,
                          OFFSET: tl.constexpr):
     i_p = tl.program_id(0)
+    b_w = _weight(w, N, BN)
     b_dw = tl.full([BR, BN], 0.0, tl.float32)
     for start in range(i_p * BR, R, P * BR):
-        rows, at, m, b_x, b_w = _rows(x, w, start, R, N, BR, BN)
+        rows, at, m, b_x = _rows(x, start, R, N, BR, BN)
         r = tl.load(rstd + rows, mask=rows < R, other=0)
         b_dy = tl.load(dy + at, mask=m, other=0).to(tl.float32)
         n = b_x * r[:, None]

@@ -36,6 +36,13 @@ def _cast(x, DTYPE: tl.constexpr):
 
 
 @device_function
+def _rounded(x, DTYPE: tl.constexpr):
+    """Float32 x rounded to DTYPE (as ``_cast``) and kept in float32: a value as torch leaves it between two
+    operators in that dtype."""
+    return _cast(x, DTYPE).to(tl.float32)
+
+
+@device_function
 def _butterflies(y, R: tl.constexpr, D: tl.constexpr, LOG_D: tl.constexpr):
     """y [R, D] times the +-1 Sylvester-Hadamard matrix, by the butterflies of ``hadamard`` in their order (D =
     2^LOG_D): pairs (i, i + h) within blocks of 2h, h from D / 2 down to 1."""

@@ -34,7 +34,7 @@ import triton.language as tl
 
 from .. import WINDOW_BLOCK as BQ  # queries per program; the memory's candidate lists are per block of BQ queries
 from ..aaren.chunk import _ADD, _MAX, _dot_precision, device_function, get_kernel
-from ..memory.codes import _cast
+from ..memory.codes import _cast, _rounded
 from . import checked_angles
 from .rotate import _angles, _rotated, rotate_triton
 BK = 64  # keys per tile
@@ -72,7 +72,7 @@ def _query_block(q, qpos, cos, sin, T, H: tl.constexpr, HKV: tl.constexpr, D: tl
     if ROT > 0:  # rounded to q's dtype, as rotate_by rounds: the turned queries are never stored
         c, s = _angles(cos, sin, (b.to(tl.int64) * T + rows)[:, None] * ROT, m_q[:, None], cols[None, :], ROT)
         b_q = _rotated(q, row_off[:, None] * D, m_q[:, None], cols[None, :], c, s, D, ROT)
-        b_q = _cast(b_q, q.dtype.element_ty).to(tl.float32)
+        b_q = _rounded(b_q, q.dtype.element_ty)
     else:
         b_q = tl.load(q + row_off[:, None] * D + cols[None, :], mask=m_q[:, None] & m_d[None, :], other=0)
         b_q = b_q.to(tl.float32)
@@ -174,12 +174,12 @@ def _window_bwd_kernel(
         else:
             w = tl.load(mw + tl.program_id(1) % H + 0 * row_off).to(tl.float32)[:, None]
         b_diff = tl.load(diff + at_q, mask=m_qd, other=0).to(tl.float32)
-        rest = _cast(1.0 - w, DT).to(tl.float32)
+        rest = _rounded(1.0 - w, DT)
         tl.store(da + at_q, _cast(b_do * rest, DT), mask=m_qd)
-        tl.store(dmw + row_off, _cast(tl.reduce(_cast(b_do * b_diff, DT).to(tl.float32), 1, _ADD),
+        tl.store(dmw + row_off, _cast(tl.reduce(_rounded(b_do * b_diff, DT), 1, _ADD),
                                       dmw.dtype.element_ty), mask=m_q)
-        b_o = _cast(b_o + b_diff * rest, DT).to(tl.float32)  # the window's own output, rebuilt
-        b_do = _cast(b_do * w, DT).to(tl.float32)
+        b_o = _rounded(b_o + b_diff * rest, DT)  # the window's own output, rebuilt
+        b_do = _rounded(b_do * w, DT)
     # rowsum(o * do), the softmax's backward term: this program's rows are whole, so no pass before it
     b_delta = tl.reduce(b_o * b_do, 1, _ADD)
     b_dq = tl.full([BQ, BD], 0.0, tl.float32)

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from ..aaren.chunk import _ADD, _MAX, _MIN, device_function, get_kernel
-from ..memory.codes import _butterflies, _cast, _codes, _store_codes
+from ..memory.codes import _butterflies, _cast, _codes, _rounded, _store_codes
 from ..memory.evict import _on_grid
 from ..state import writable
 from .chunk import _softmax_step
@@ -92,7 +92,7 @@ def _window_step_kernel(
         row = b * HKV + hk
         # 1. the token: query and key rotated at its position, rounded to the model's dtype (rotate_by); key and
         # value as the window stores them (float16: saturated, as to_cache does)
-        kr = _cast(_rotated(k, row * D, True, cols, ct, st, D, ROT), k.dtype.element_ty).to(tl.float32)
+        kr = _rounded(_rotated(k, row * D, True, cols, ct, st, D, ROT), k.dtype.element_ty)
         vr = tl.load(v + row * D + cols, mask=m_d, other=0).to(tl.float32)
         if SATURATE:
             kr, vr = tl.minimum(tl.maximum(kr, -65504.0), 65504.0), tl.minimum(tl.maximum(vr, -65504.0), 65504.0)
@@ -149,7 +149,7 @@ def _window_step_kernel(
         if MIX:  # mix_branches: lerp(Aaren's, the window's, sigmoid(gate)) in the output's dtype, torch.lerp's formulas
             a = tl.load(aaren_o + at_o, mask=m_g & m_d, other=0).to(tl.float32)
             z = tl.load(gate + b * gate_b + hk * G + g, mask=m_g, other=0).to(tl.float32)
-            w = _cast(1.0 / (1.0 + tl.exp(-z)), out.dtype.element_ty).to(tl.float32)
+            w = _rounded(1.0 / (1.0 + tl.exp(-z)), out.dtype.element_ty)
             e = o.to(tl.float32)
             o = _cast(tl.where(w < 0.5, a + w * (e - a), e - (e - a) * (1.0 - w)), out.dtype.element_ty)
         tl.store(out + at_o, o, mask=m_g & m_d)
