@@ -33,10 +33,10 @@ from .configuration_aaren import AarenConfig
 try:  # Triton kernels on CUDA and the C kernels on CPUs, when this package is installed; the PyTorch code in this
     # file serves everywhere else (a checkpoint's own copy of it: nothing else to install)
     from aaren_hf.kernels import (WINDOW_BLOCK, chunk_aaren, fused_aaren_step, fused_chunk_aaren_mixed, fused_glu,
-                                  fused_keep_memory, fused_memory_evict, fused_memory_lists, fused_memory_round,
-                                  fused_next_window, fused_recurrent_aaren, fused_rms_norm, fused_rotate,
-                                  fused_round_retention, fused_scan_inputs, fused_sinks, fused_window_attention,
-                                  fused_window_step, select_backend)
+                                  fused_keep_memory, fused_memory_evict, fused_memory_lists, fused_memory_ranks,
+                                  fused_memory_round, fused_next_window, fused_recurrent_aaren, fused_rms_norm,
+                                  fused_rotate, fused_round_retention, fused_scan_inputs, fused_sinks,
+                                  fused_window_attention, fused_window_step, select_backend)
     from aaren_hf.kernels.aaren import aaren_prefill_cpu
     from aaren_hf.kernels.memory import memory_evict_cpu, memory_prefill_cpu, memory_round_cpu
     from aaren_hf.kernels.mixer import mixer_prefill_cpu, mixer_step_cpu
@@ -48,7 +48,7 @@ except ImportError:
     mixer_prefill_cpu = mixer_step_cpu = None
     rotate_cpu = window_attention_cpu = window_queries_cpu = None
     fused_aaren_step = fused_chunk_aaren_mixed = fused_keep_memory = fused_memory_evict = fused_memory_lists = None
-    fused_memory_round = None
+    fused_memory_ranks = fused_memory_round = None
     fused_next_window = fused_rotate = fused_round_retention = fused_scan_inputs = fused_sinks = None
     fused_glu = fused_rms_norm = fused_window_attention = None
     fused_window_step = window_cpu_takes = window_prefill_cpu = None
@@ -1104,7 +1104,7 @@ def memory_visibility(cand_pos, cand_score, first_stream, window, num_sinks, mem
     So each candidate c is in the memory for one stretch of eligibility: from when it becomes eligible (candidate
     index c) until ``evict[c]``, the first candidate index e at which M candidates among 0..e rank above it.
     Returns (last [T + 1]: the last eligible candidate index of each query and of the query after this call, -1 for
-    none; evict [B, Hkv, C], -1 for candidates that are never in it). Query i sees c iff c <= last[i] < evict[c]
+    none; evict [B, Hkv, C], -1 for candidates that are not real). Query i sees c iff c <= last[i] < evict[c]
     (:func:`memory_seen`).
 
     ``evict`` comes from a sweep over the candidates in blocks: each block ranks the top set before it (the M best
@@ -1116,16 +1116,16 @@ def memory_visibility(cand_pos, cand_score, first_stream, window, num_sinks, mem
     B, Hkv, C = cand_pos.shape
     M, device = memory_size, cand_pos.device
     P = C - first_stream - T
-    # the offsets folded into the arange's bounds: three operators, not six (each a launch on a GPU)
-    last = torch.arange(P - window + 1, P - window + T + 2, device=device).clamp(min=0) + (first_stream - 1)
-    real = cand_pos >= num_sinks
+    # the offsets folded into the arange's bounds and the clamp: two operators, not six (each a launch on a GPU)
+    lo = P - window + first_stream
+    last = torch.arange(lo, lo + T + 1, device=device).clamp(min=first_stream - 1)
     upto = first_stream + max(0, P + T - window + 1)  # last[-1] + 1: later candidates are seen by no query of this call
     evict = None
     if takes_c(memory_evict_cpu, cand_pos):
         evict = memory_evict_cpu(cand_pos, cand_score, upto, num_sinks, M)
     if evict is None:
-        evict = _evict_sweep(cand_pos, cand_score, real, upto, M, *sweep_plan(B, Hkv, M, device, block))
-    return last, torch.where(real, evict, -1)
+        evict = _evict_sweep(cand_pos, cand_score, num_sinks, upto, M, *sweep_plan(B, Hkv, M, device, block))
+    return last, evict
 
 
 def sweep_plan(B, Hkv, M, device, block=None) -> tuple:
@@ -1136,24 +1136,34 @@ def sweep_plan(B, Hkv, M, device, block=None) -> tuple:
     return block or max(64, M), SWEEP_PAIRS_GPU if launch_bound(device) else SWEEP_PAIRS
 
 
-def _evict_sweep(cand_pos, cand_score, real, upto, M, block, pairs):
-    """:func:`memory_visibility`'s evict (C where never evicted or after ``upto``) by the block sweep: each block
-    ranks the top set before it (the M best real candidates so far, which a top-M over the candidates' order gives
-    for every block at once) and its own candidates against each other, as many blocks per pass as keep the
-    comparisons (and the candidates the top sets are chosen from) within ``pairs``. Where Triton serves, one launch
-    ranks a pass's blocks (``fused_memory_evict``, kernels/memory/evict.py) with no comparison tensors in memory, so
-    only the top sets count against ``pairs``."""
+def candidate_ranks(cand_pos, cand_score, num_sinks):
+    """The start of :func:`_evict_sweep`: (rank, evict), each [B, Hkv, C + 1]. rank: the candidates' order by score,
+    then position (the newer above), as numbers, the higher above; -1 for those that are not real (position <
+    ``num_sinks``) and for column C, an empty slot of a top set. evict: C so far, -1 for those that are not real
+    (column C: where the sweep's scatter drops what it does not write). On a GPU one Triton launch
+    (``fused_memory_ranks``, kernels/memory/evict.py) gives other numbers in the same order and evict without column
+    C; this code is its reference."""
+    B, Hkv, C = cand_pos.shape
+    real = cand_pos >= num_sinks
+    by_pos = cand_pos.argsort(-1)
+    order = by_pos.gather(-1, torch.sort(cand_score.float().gather(-1, by_pos), dim=-1, stable=True).indices)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(C, device=cand_pos.device).expand(B, Hkv, C))
+    return F.pad(torch.where(real, rank, -1), (0, 1), value=-1), F.pad(torch.where(real, C, -1), (0, 1), value=C)
+
+
+def _evict_sweep(cand_pos, cand_score, num_sinks, upto, M, block, pairs):
+    """:func:`memory_visibility`'s evict (C where never evicted or after ``upto``, -1 for candidates that are not
+    real: position < ``num_sinks``) by the block sweep: each block ranks the top set before it (the M best real
+    candidates so far, which a top-M over the candidates' order gives for every block at once) and its own candidates
+    against each other, as many blocks per pass as keep the comparisons (and the candidates the top sets are chosen
+    from) within ``pairs``. Where Triton serves, one launch numbers the candidates in their order
+    (``fused_memory_ranks``, kernels/memory/evict.py, for :func:`candidate_ranks`' sort) and one ranks a pass's blocks
+    (``fused_memory_evict``) with no comparison tensors in memory, so only the top sets count against ``pairs``."""
     B, Hkv, C = cand_pos.shape
     kernel = takes_triton(fused_memory_evict, cand_pos)
     at_once = max(1, pairs // (B * Hkv * (C + 1 if kernel else max((M + block) ** 2, C + 1))))
     device = cand_pos.device
-    # rank: the candidates' order by score, then position (the newer above), as numbers, the higher above; -1 for
-    # those that are not real and for column C, an empty slot of a top set
-    by_pos = cand_pos.argsort(-1)
-    order = by_pos.gather(-1, torch.sort(cand_score.float().gather(-1, by_pos), dim=-1, stable=True).indices)
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(C, device=device).expand(B, Hkv, C))
-    rank = F.pad(torch.where(real, rank, -1), (0, 1), value=-1)
-    evict = torch.full((B, Hkv, C + 1), C, dtype=torch.long, device=device)
+    rank, evict = (fused_memory_ranks if kernel else candidate_ranks)(cand_pos, cand_score, num_sinks)
     K, n_blocks = min(M, C), -(-upto // block)
     for first in range(0, n_blocks, at_once):
         # (masked_fill with a number where torch.where would first make the number a tensor: one launch fewer)
@@ -1161,10 +1171,10 @@ def _evict_sweep(cand_pos, cand_score, real, upto, M, block, pairs):
         # the top set before each block: the K highest ranks among the candidates before its first (none: column C)
         later = torch.arange(C + 1, device=device) >= e0  # [n, C + 1]
         top_rank, top = rank.unsqueeze(2).masked_fill(later, -1).topk(K, dim=-1)  # [B, Hkv, n, K]
-        top = top.masked_fill_(top_rank < 0, C)
-        if kernel:
+        if kernel:  # which takes a slot of rank -1, or of the block or later, as empty
             fused_memory_evict(rank, top, evict, first * block, block, upto, M)
             continue
+        top = top.masked_fill_(top_rank < 0, C)
         new = e0 + torch.arange(block, device=device)
         # [B, Hkv, n, K + block]: each block's top set, then the block
         cand = torch.cat([top, torch.where(new < upto, new, C).expand(B, Hkv, -1, -1)], -1)
@@ -1178,7 +1188,7 @@ def _evict_sweep(cand_pos, cand_score, real, upto, M, block, pairs):
         out = above >= M
         # a candidate leaves in the one block where it drops out of the top set, no earlier than it enters
         at = torch.maximum(e0 + out.to(torch.uint8).argmax(-2), cand)
-        evict.scatter_(-1, torch.where(out.any(-2), cand, C).flatten(2), at.flatten(2))
+        evict.scatter_(-1, torch.where(out.any(-2) & (r >= 0), cand, C).flatten(2), at.flatten(2))
     return evict[..., :C]
 
 

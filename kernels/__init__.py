@@ -7,8 +7,9 @@ device) and its decode step in Triton (``window/fused_recurrent.py``, ``fused_wi
 ``AarenMixer.aaren_output``, likewise) and what its scan reads of a block of tokens (``aaren/scores.py``,
 ``fused_scan_inputs``; reference: ``AarenMixer.scan_inputs``, likewise); the memory's codes in Triton
 (``memory/codes.py``, ``fused_memory_round``; reference: ``MemoryCodes.round_with_codes``, likewise) and its ranking
-sweep's blocks (``memory/evict.py``, ``fused_memory_evict``; reference: the loop of ``_evict_sweep``, likewise; and
-the grid it ranks on, ``fused_round_retention``; reference: ``round_retention``, likewise) and each block's list of
+sweep (``memory/evict.py``, ``fused_memory_ranks`` and ``fused_memory_evict``; references: ``candidate_ranks`` and
+the loop of ``_evict_sweep``, likewise;
+and the grid it ranks on, ``fused_round_retention``; reference: ``round_retention``, likewise) and each block's list of
 candidates for window attention (``memory/lists.py``, ``fused_memory_lists``; reference: ``_memory_lists``, likewise)
 and the slots a prefill piece leaves (``memory/keep.py``, ``fused_keep_memory``; reference:
 ``AarenMixer.keep_memory``); rotary embedding in one launch (``window/rotate.py``, ``fused_rotate``; reference:
@@ -183,6 +184,15 @@ def fused_memory_evict(rank, top, evict, e_first, block, upto, memory_size):
     from .memory.evict import memory_evict_triton
 
     return memory_evict_triton(rank, top, evict, e_first, block, upto, memory_size)
+
+
+def fused_memory_ranks(cand_pos, cand_score, num_sinks):
+    """The memory's candidates numbered in their order in one Triton launch (``memory/evict.py``; reference:
+    ``candidate_ranks`` in modeling_aaren.py, the same order): (rank, evict). Callers check
+    ``select_backend(cand_pos) == "triton"`` first."""
+    from .memory.evict import memory_ranks_triton
+
+    return memory_ranks_triton(cand_pos, cand_score, num_sinks)
 
 
 def fused_round_retention(score):

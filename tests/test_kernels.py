@@ -674,22 +674,44 @@ def test_memory_codes_kernel_is_the_reference_bit_for_bit(bits, rotate, monkeypa
 
 @needs_triton
 def test_memory_ranking_kernel_gives_the_sweeps_indices(monkeypatch):
-    """The ranking sweep's passes in Triton (kernels/memory/evict.py) against the PyTorch sweep: the same evict
-    indices, exactly (a candidate that never enters leaves at its own index), over several hundred candidates with
-    padding, tied scores and the last ones after ``upto``; blocks of M and of 37, in one pass and in several (the
-    kernel's e_first). The brute-force test in test_model.py checks what queries see through it."""
+    """The ranking sweep in Triton (kernels/memory/evict.py: the candidates numbered in their order, then each pass's
+    blocks) against the PyTorch sweep (a sort, then comparisons): the same evict indices, exactly (a candidate that
+    never enters leaves at its own index; -1 for those that are not real), over several hundred candidates with
+    padding, sinks, tied scores and the last ones after ``upto``; blocks of M and of 37, in one pass and in several
+    (the kernel's e_first). Scores of both signs, -0 beside +0 (tied, as a sort has them), -inf and the largest
+    floats and the float next to one; positions up to 2^31 - 1 (the ranks' numbers hold the position in their low 31
+    bits); the top sets' empty slots pointing at later candidates (a GPU's top-K may pick those). The brute-force
+    test in test_model.py checks what queries see through it."""
     import aaren_hf.modeling_aaren as modeling
 
     gen = torch.Generator().manual_seed(0)
     ran = []
-    monkeypatch.setattr(modeling, "fused_memory_evict", lambda *a: ran.append(1) or K.fused_memory_evict(*a))
-    for B, Hkv, C, M, block, passes in ((1, 3, 700, 48, 64, 1), (2, 2, 301, 20, 37, 3)):
-        pos = torch.arange(C).expand(B, Hkv, C) - 3  # three padding candidates first
-        score = (torch.randn(B, Hkv, C, generator=gen) * 2).round() / 64  # many ties
+
+    def scrambled(rank, top, evict, e_first, block, upto, M):
+        """The pass with the top sets' empty slots (top-K's picks of rank -1) pointing anywhere at or after the
+        block's first candidate, as a GPU's top-K may leave them: the kernel must take them as empty."""
+        ran.append(1)
+        e0 = (e_first + torch.arange(top.shape[2]) * block).view(1, 1, -1, 1)
+        empty = rank.gather(-1, top.flatten(2)).view(top.shape) < 0
+        anywhere = e0 + (torch.rand(top.shape, generator=gen) * (rank.shape[-1] - e0)).long()
+        return K.fused_memory_evict(rank, torch.where(empty, anywhere, top), evict, e_first, block, upto, M)
+
+    monkeypatch.setattr(modeling, "fused_memory_evict", scrambled)
+    big = torch.tensor(3.0e38)  # with the next float up: ranks a packing that lets a position's bits touch the score's
+    extremes = torch.tensor([0.0, -0.0, float("-inf"), 3.0e38, float(torch.nextafter(big, torch.tensor(4e38))),
+                             -3.0e38, 1e-30, -1e-30])
+    for B, Hkv, C, M, block, passes, sinks, first in ((1, 3, 700, 48, 64, 1, 0, 0), (2, 2, 301, 20, 37, 3, 2, 0),
+                                                      (1, 2, 200, 16, 64, 2, 1, 2**31 - 199)):
+        # views, as the model passes them: one row of positions for every row and kv head, the scores transposed
+        pos = torch.where(torch.arange(C) < 3, -1, torch.arange(C) - 3 + first).expand(B, Hkv, C)  # 3 padding first
+        score = (torch.randn(B, C, Hkv, generator=gen) * 2).round() / 64  # many ties
+        pick = torch.randint(0, 3, (B, C, Hkv), generator=gen) == 0  # a third of them from the extremes
+        score = torch.where(pick, extremes[torch.randint(0, len(extremes), (B, C, Hkv), generator=gen)], score)
+        score = score.transpose(1, 2)
 
         def sweep(as_gpu: bool):
             monkeypatch.setattr(modeling, "launch_bound", lambda device: as_gpu)
-            return modeling._evict_sweep(pos, score, pos >= 0, C - 10, M, block,
+            return modeling._evict_sweep(pos, score, sinks, C - 10, M, block,
                                          B * Hkv * (C + 1) * math.ceil(C / block / passes))
 
         want = sweep(False)
@@ -697,6 +719,13 @@ def test_memory_ranking_kernel_gives_the_sweeps_indices(monkeypatch):
         got = sweep(True)
         assert len(ran) - n == passes
         assert torch.equal(got, want), (B, Hkv, C, M, block)
+        assert (got[pos < sinks] == -1).all() and (got[pos >= sinks] >= 0).all()
+        # the numbers themselves: every pair of real candidates in the reference's order, the rest -1
+        rank, evict = K.fused_memory_ranks(pos, score, sinks)
+        ref_rank, ref_evict = modeling.candidate_ranks(pos, score, sinks)
+        assert torch.equal(evict, ref_evict[..., :C]) and torch.equal(rank < 0, ref_rank < 0)
+        above = lambda r: r.unsqueeze(-1) > r.unsqueeze(-2)  # noqa: E731
+        assert torch.equal(above(rank), above(ref_rank))
 
 
 def _ranking_on(device, C, monkeypatch):
@@ -707,19 +736,19 @@ def _ranking_on(device, C, monkeypatch):
 
     pos = torch.arange(C).expand(1, 3, C) - 1  # one padding candidate first
     score = modeling.round_retention(torch.randn(1, 3, C, generator=torch.Generator().manual_seed(0)))
-    real, upto, M = pos >= 1, C - 63, 448
+    upto, M = C - 63, 448
     want = memory_evict_cpu(pos, score, upto, 1, M)
     if want is None:  # no C compiler: the CPU's sweep
         with monkeypatch.context() as m:
             m.setattr(modeling, "launch_bound", lambda d: False)
-            want = modeling._evict_sweep(pos, score, real, upto, M, *modeling.sweep_plan(1, 3, M, pos.device))
+            want = modeling._evict_sweep(pos, score, 1, upto, M, *modeling.sweep_plan(1, 3, M, pos.device))
     ran = []
     kernel = modeling.fused_memory_evict
     monkeypatch.setattr(modeling, "fused_memory_evict", lambda *a: ran.append(1) or kernel(*a))
-    got = modeling._evict_sweep(pos.to(device), score.to(device), real.to(device), upto, M,
+    got = modeling._evict_sweep(pos.to(device), score.to(device), 1, upto, M,
                                 *modeling.sweep_plan(1, 3, M, torch.device(device)))
     assert ran
-    return torch.where(real, got.cpu(), -1), torch.where(real, want, -1)
+    return got.cpu(), want
 
 
 @needs_triton
@@ -967,6 +996,10 @@ for bits, codes in ((4, "*u8"), (8, "*i8")):
         dict(D=64, LOG_D=6, BITS=bits, ROTATE=bits == 4, BN=64), num_warps=4, num_stages=1)
 aot(memory_evict._grid_kernel, dict(x=B, y=P, N="i32"), dict(BN=1024), num_warps=4, num_stages=1,
     enable_fp_fusion=False)
+for score in (P, B):
+    aot(memory_evict._ranks_kernel, dict(pos=I, score=score, rank=I, evict=I, C="i32", HKV="i32", num_sinks="i32",
+                                         pos_b="i64", pos_h="i64", pos_c="i64", score_b="i64", score_h="i64",
+                                         score_c="i64"), dict(BC=1024), num_warps=4, num_stages=1)
 aot(memory_evict._evict_block_kernel, dict(rank=I, top=I, evict=I, C="i32", K="i32", n="i32", e_first="i32",
                                            block="i32", upto="i32", M="i32"), dict(BP=512, XB=32, DB=64))
 aot(window_carry._sinks_fwd_kernel, dict(k=B, v=B, pos=I, old_k=B, old_v=B, old_pos=I, new_k=B, new_v=B, new_pos=I,

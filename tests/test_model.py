@@ -627,10 +627,10 @@ def test_the_ranking_sweep_ranks_as_many_blocks_per_pass_as_its_budget_allows(mo
     monkeypatch.setattr(torch.Tensor, "topk", lambda self, *a, **k: passes.append(1) or topk(self, *a, **k))
     T, M = 32768 + 448 + 63, 448
     pos, score = torch.arange(T).expand(1, 3, T), torch.zeros(1, 3, T)
-    _evict_sweep(pos, score, pos >= 0, T, M, *sweep_plan(1, 3, M, torch.device("cuda")))
+    _evict_sweep(pos, score, 0, T, M, *sweep_plan(1, 3, M, torch.device("cuda")))
     assert len(passes) == 1
     passes.clear()
-    _evict_sweep(pos, score, pos >= 0, T, M, *sweep_plan(1, 3, M, torch.device("cpu")))
+    _evict_sweep(pos, score, 0, T, M, *sweep_plan(1, 3, M, torch.device("cpu")))
     assert len(passes) == -(-T // M // (SWEEP_PAIRS // (3 * (2 * M) ** 2)))
 
 

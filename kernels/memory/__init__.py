@@ -42,7 +42,8 @@ def library():
 def memory_evict_cpu(cand_pos, cand_score, upto: int, num_sinks: int, memory_size: int):
     """evict [B, Hkv, C] int64 of candidates [B, Hkv, C] (positions int64, scores): for a real candidate before
     ``upto``, the first candidate index at which ``memory_size`` candidates so far rank above it (its own index
-    when it never enters); C elsewhere. None where the kernel does not apply (not on a CPU, no compiler)."""
+    when it never enters); -1 for candidates that are not real (position < ``num_sinks``), C for the others. None
+    where the kernel does not apply (not on a CPU, no compiler)."""
     if cand_pos.is_cuda or cand_pos.dtype != torch.int64:
         return None
     lib = library()
@@ -50,7 +51,7 @@ def memory_evict_cpu(cand_pos, cand_score, upto: int, num_sinks: int, memory_siz
         return None
     B, Hkv, C = cand_pos.shape
     pos, score = dense(cand_pos), dense(cand_score.float())
-    evict = torch.full((B, Hkv, C), C, dtype=torch.int64)
+    evict = torch.where(pos >= num_sinks, C, -1)
     rc = lib.aaren_memory_evict(B * Hkv, C, upto, memory_size, num_sinks, pos.data_ptr(), score.data_ptr(),
                                 evict.data_ptr())
     if rc != 0:
