@@ -948,22 +948,38 @@ class MemoryCodes:
         through :func:`round_to_cache`'s casts."""
         return self.round_with_codes(x)[0]
 
-    def round_with_codes(self, x: torch.Tensor):
-        """(:meth:`round` of x, :meth:`encode` of x): for a caller that stores the codes too. With the aaren_hf
-        package, one C loop on a CPU (``memory_round_cpu``, kernels/memory) or one Triton launch on a GPU
-        (``fused_memory_round``, kernels/memory/codes.py) gives the same codes and values bit for bit; this code is
-        their reference."""
-        x = x.float()
+    def round_with_codes(self, x: torch.Tensor, dtype: Optional[torch.dtype] = None):
+        """(:meth:`round` of x in ``dtype`` (float32 where None) as :func:`to_cache` casts it, :meth:`encode` of x):
+        for a caller that stores the codes too and reads the values in ``dtype`` (window attention, in 16 bits on a
+        GPU). With the aaren_hf package, one C loop on a CPU (``memory_round_cpu``, kernels/memory) or one Triton
+        launch on a GPU (``fused_memory_round``, kernels/memory/codes.py, which reads 16-bit x as it lies and writes
+        ``dtype``) gives the same codes and values bit for bit; this code is their reference."""
+        dtype = dtype or torch.float32
         rounded = None
         if takes_triton(fused_memory_round, x):
-            rounded = fused_memory_round(x.detach(), self.bits, self.rotate)
+            rounded = fused_memory_round(x.detach(), self.bits, self.rotate, dtype)
         elif takes_c(memory_round_cpu, x):
-            rounded = memory_round_cpu(x.detach(), self.bits, self.rotate)
+            rounded = memory_round_cpu(x.detach().float(), self.bits, self.rotate)
         if rounded is None:
             coded = self.encode(x.detach())
             rounded = self.decode(*coded), coded
         back, coded = rounded
-        return (back + (x - x.detach()) if x.requires_grad else back), coded
+        back = to_cache(back, dtype)  # (written in dtype already by the Triton kernel)
+        return (_StraightThrough.apply(x, back) if x.requires_grad else back), coded
+
+
+class _StraightThrough(torch.autograd.Function):
+    """``values``, made from x without autograd (the memory's rounding), with x's gradient passed straight through
+    (autograd casts it to x's dtype): where ``values + (x - x.detach())`` costs two operators forward, and casts
+    each way where the dtypes differ, this costs none where they agree."""
+
+    @staticmethod
+    def forward(ctx, x, values):
+        return values
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
 
 
 _SAME_VALUES = {}  # (id, version, id, version) -> (a, b, equal), for _same_values
@@ -1577,7 +1593,8 @@ class AarenMixer(nn.Module):
                 sink_k, sink_v, sink_pos = fill_sinks(k, v, pos, sink_k, sink_v, sink_pos)
         memory = None
         if self.memory_size > 0:
-            memory, candidates = self.memory_candidates(k, v, pos, retention, k_prev, v_prev, pos_prev, state)
+            memory, candidates = self.memory_candidates(k, v, pos, retention, k_prev, v_prev, pos_prev, state,
+                                                        _attention_dtype(q))
         out = window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sink_pos, self.window, rotary,
                                self.scale, memory, mix)
         if state is not None:
@@ -1753,9 +1770,10 @@ class AarenMixer(nn.Module):
             kept = slots.gather(2, slot)
             slots.scatter_(2, slot, torch.where(enters.view(B, Hkv, 1, *rest), new.unsqueeze(2).to(slots.dtype), kept))
 
-    def memory_candidates(self, k, v, pos, retention, k_prev, v_prev, pos_prev, state):
+    def memory_candidates(self, k, v, pos, retention, k_prev, v_prev, pos_prev, state, attend):
         """The memory tier's candidates (memory held + window entries held + this call's tokens) and what each query
-        sees of them (:func:`memory_visibility`). k is rotated; keys/values come back as [B, Hkv, C, D]."""
+        sees of them (:func:`memory_visibility`). k is rotated; keys/values come back as [B, Hkv, C, D], with memory
+        codes decoded in ``attend`` (what window attention reads them in)."""
         B, T, Hkv, D = k.shape
         M = self.memory_size
         prev_score = retention.new_zeros(B, 0, Hkv)
@@ -1775,13 +1793,14 @@ class AarenMixer(nn.Module):
         coded = None
         if self.memory_codes is not None:
             # the codes kept too: keep_memory stores them as they are instead of coding the kept entries again
-            (stream_k, stream_v), coded = self.memory_codes.round_with_codes(torch.stack([stream_k, stream_v]))
+            (stream_k, stream_v), coded = self.memory_codes.round_with_codes(torch.stack([stream_k, stream_v]),
+                                                                             attend)
         stream_pos = after_held(pos_prev, pos).unsqueeze(1).expand(B, Hkv, -1)
         stream_score = torch.cat([prev_score, retention], 1)
         if state is not None and state.memory_k is not None:
             memory_k, memory_v = self.memory_entries(state)
-            cand_k = torch.cat([memory_k.to(stream_k.dtype), stream_k], 2)
-            cand_v = torch.cat([memory_v.to(stream_v.dtype), stream_v], 2)
+            cand_k = torch.cat([to_cache(memory_k, stream_k.dtype), stream_k], 2)
+            cand_v = torch.cat([to_cache(memory_v, stream_v.dtype), stream_v], 2)
             cand_pos = torch.cat([state.memory_pos, stream_pos], 2)
             cand_score = torch.cat([state.memory_score, stream_score.transpose(1, 2)], 2)
             held = M

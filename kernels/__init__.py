@@ -168,13 +168,13 @@ def fused_window_step(q, k, v, pos, angles, sink_turn, state, retention, share, 
                               bits, rotate, kv_cache_dtype, scale, mix)
 
 
-def fused_memory_round(x, bits, rotate):
+def fused_memory_round(x, bits, rotate, dtype):
     """``MemoryCodes.round_with_codes`` without its gradient in one Triton launch (``memory/codes.py``; reference:
-    ``MemoryCodes`` in modeling_aaren.py); None where it does not take x. Callers check ``select_backend(x) ==
-    "triton"`` first."""
+    ``MemoryCodes`` in modeling_aaren.py), the values in ``dtype``; None where it does not take x. Callers check
+    ``select_backend(x) == "triton"`` first."""
     from .memory.codes import memory_round_triton
 
-    return memory_round_triton(x, bits, rotate)
+    return memory_round_triton(x, bits, rotate, dtype)
 
 
 def fused_memory_evict(rank, top, evict, e_first, block, upto, memory_size):

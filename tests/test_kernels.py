@@ -650,25 +650,34 @@ def test_interpreter_after_compiled_import():
 def test_memory_codes_kernel_is_the_reference_bit_for_bit(bits, rotate, monkeypatch):
     """round_with_codes in Triton (kernels/memory/codes.py) against its PyTorch reference (encode, then decode): the
     same codes, scales and values bit for bit, over vectors of every scale (zero, tiny, huge, one channel near
-    float32's largest), widths 2-256 and a leading shape with no rows; through the model's dispatch as a GPU runs it
-    too."""
+    float32's largest), widths 2-256 and a leading shape with no rows; 16-bit x read as it lies, and the values
+    written in 16 bits as ``to_cache`` casts the reference's (float16 saturating); through the model's dispatch as
+    a GPU runs it too, where the gradient passes straight through to x in x's dtype."""
     import aaren_hf.modeling_aaren as modeling
     from aaren_hf.kernels.memory.codes import memory_round_triton
-    from aaren_hf.modeling_aaren import MemoryCodes
+    from aaren_hf.modeling_aaren import MemoryCodes, to_cache
     from helpers import code_test_vectors
 
     codes_of = MemoryCodes(bits, rotate)
-    for x in code_test_vectors(bits + rotate):
-        got = memory_round_triton(x, bits, rotate)
-        want = codes_of.encode(x)
-        assert torch.equal(got[1][0], want[0]) and torch.equal(got[1][1], want[1]), tuple(x.shape)
-        assert torch.equal(got[0], codes_of.decode(*want)), tuple(x.shape)
-        ran = []
-        with monkeypatch.context() as m:
-            m.setattr(modeling, "launch_bound", lambda device: True)
-            m.setattr(modeling, "fused_memory_round", lambda *a: ran.append(1) or memory_round_triton(*a))
-            back, coded = codes_of.round_with_codes(x)
-        assert ran and torch.equal(back, got[0]) and torch.equal(coded[0], got[1][0])
+    for x32 in code_test_vectors(bits + rotate):
+        # (16-bit x as a cache holds it: float16 saturated, as the cache saturates it)
+        for x, dtype in ((x32, torch.float32), (x32, torch.float16), (x32.to(torch.bfloat16), torch.bfloat16),
+                         (to_cache(x32, torch.float16), torch.float32)):
+            got = memory_round_triton(x, bits, rotate, dtype)
+            want = codes_of.encode(x)
+            assert torch.equal(got[1][0], want[0]) and torch.equal(got[1][1], want[1]), (tuple(x.shape), x.dtype)
+            assert torch.equal(got[0], to_cache(codes_of.decode(*want), dtype)), (tuple(x.shape), x.dtype, dtype)
+            ran = []
+            with monkeypatch.context() as m:
+                m.setattr(modeling, "launch_bound", lambda device: True)
+                m.setattr(modeling, "fused_memory_round", lambda *a: ran.append(1) or memory_round_triton(*a))
+                x = x.detach().requires_grad_(x.numel() > 0)
+                back, coded = codes_of.round_with_codes(x, dtype)
+            assert ran and torch.equal(back.detach(), got[0]) and torch.equal(coded[0], got[1][0])
+            if x.requires_grad:
+                up = torch.randn(back.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+                back.backward(up)
+                assert x.grad.dtype == x.dtype and torch.equal(x.grad, up.to(x.dtype))
     assert memory_round_triton(torch.randn(3, 6), bits, rotate) is None  # not a power of 2: the reference's
 
 
@@ -846,9 +855,9 @@ def test_gpu_memory_ranking_kernel_gives_the_cpu_heaps_indices(monkeypatch):
 @pytest.mark.requires_gpu
 def test_gpu_memory_codes_kernel_is_the_reference_bit_for_bit():
     """The compiled kernel against the reference on the same GPU: codes, scales and values bit for bit (correctly
-    rounded divisions, no contraction into an fma anywhere they could differ)."""
+    rounded divisions, no contraction into an fma anywhere they could differ); float32 and 16-bit in and out."""
     from aaren_hf.kernels.memory.codes import memory_round_triton
-    from aaren_hf.modeling_aaren import MemoryCodes
+    from aaren_hf.modeling_aaren import MemoryCodes, to_cache
 
     gen = torch.Generator().manual_seed(0)
     for bits, rotate in ((8, False), (8, True), (4, False), (4, True)):
@@ -858,6 +867,11 @@ def test_gpu_memory_codes_kernel_is_the_reference_bit_for_bit():
         got, want = memory_round_triton(x, bits, rotate), MemoryCodes(bits, rotate).encode(x)
         assert torch.equal(got[1][0], want[0]) and torch.equal(got[1][1], want[1]), (bits, rotate)
         assert torch.equal(got[0], MemoryCodes(bits, rotate).decode(*want)), (bits, rotate)
+        for dtype in (torch.bfloat16, torch.float16):  # 16-bit in, 16-bit values out (float16 saturating)
+            x16 = x.to(dtype)
+            got, want = memory_round_triton(x16, bits, rotate, dtype), MemoryCodes(bits, rotate).encode(x16)
+            assert torch.equal(got[1][0], want[0]) and torch.equal(got[1][1], want[1]), (bits, rotate, dtype)
+            assert torch.equal(got[0], to_cache(MemoryCodes(bits, rotate).decode(*want), dtype)), (bits, rotate, dtype)
 
 
 # one case per feature the Aaren step kernel branches on: one slot or several, no decay, a fixed, learned or
@@ -992,8 +1006,10 @@ for consts, mem in ((c, "*u8"), (dict(c, D=128, BD=128, LOG_BD=7, G=4, H=12, BIT
     aot(window_step._window_step_kernel, dict(sig, mem_k=mem, mem_v=mem), consts, num_warps=4, num_stages=1,
         enable_fp_fusion=False)
 for bits, codes in ((4, "*u8"), (8, "*i8")):
-    aot(memory_codes._round_kernel, dict(x=P, back=P, codes=codes, scale=B, N="i64"),
-        dict(D=64, LOG_D=6, BITS=bits, ROTATE=bits == 4, BN=64), num_warps=4, num_stages=1)
+    for x, back in ((P, P), (B, B), ("*fp16", "*fp16")):
+        aot(memory_codes._round_kernel, dict(x=x, back=back, codes=codes, scale=B, N="i64"),
+            dict(D=64, LOG_D=6, BITS=bits, ROTATE=bits == 4, SATURATE=back == "*fp16", BN=64), num_warps=4,
+            num_stages=1)
 aot(memory_evict._grid_kernel, dict(x=B, y=P, N="i32"), dict(BN=1024), num_warps=4, num_stages=1,
     enable_fp_fusion=False)
 for score in (P, B):

@@ -76,33 +76,38 @@ def _store_codes(codes, at, mask, R: tl.constexpr, D: tl.constexpr, BITS: tl.con
 
 
 def _round_kernel(x, back, codes, scale, N, D: tl.constexpr, LOG_D: tl.constexpr, BITS: tl.constexpr,
-                  ROTATE: tl.constexpr, BN: tl.constexpr):
+                  ROTATE: tl.constexpr, SATURATE: tl.constexpr, BN: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)[:, None]
     m_n = rows < N
     cols = tl.arange(0, D)[None, :]
-    c, s = _codes(tl.load(x + rows * D + cols, mask=m_n, other=0), BN, D, LOG_D, BITS, ROTATE)
+    c, s = _codes(tl.load(x + rows * D + cols, mask=m_n, other=0).to(tl.float32), BN, D, LOG_D, BITS, ROTATE)
     tl.store(scale + rows, s.to(tl.bfloat16), mask=m_n)
     _store_codes(c, codes + rows * (D // 2 if BITS == 4 else D), m_n, BN, D, BITS)
     if ROTATE:
         c = _butterflies(c, BN, D, LOG_D)
-    tl.store(back + rows * D + cols, c * s, mask=m_n)
+    y = c * s
+    if SATURATE:  # float16 at its largest finite value, as the cache stores it (a NaN stays a NaN)
+        y = tl.where(y > 65504.0, 65504.0, tl.where(y < -65504.0, -65504.0, y))
+    tl.store(back + rows * D + cols, _cast(y, back.dtype.element_ty), mask=m_n)
 
 
-def memory_round_triton(x, bits: int, rotate: bool):
-    """``MemoryCodes(bits, rotate).round_with_codes(x)`` without its gradient, in one launch: (values [..., D]
-    float32, (codes, scale [..., 1] bfloat16)) for float32 x [..., D]; None where the kernel does not take x (a
-    width that is not a power of 2)."""
+def memory_round_triton(x, bits: int, rotate: bool, dtype: torch.dtype = torch.float32):
+    """``MemoryCodes(bits, rotate).round_with_codes(x, dtype)`` without its gradient, in one launch: (values [..., D]
+    in ``dtype``, float16 saturating, (codes, scale [..., 1] bfloat16)) for float x [..., D] (16-bit read as it
+    lies, float32 inside); None where the kernel does not take x (a width that is not a power of 2)."""
     D = x.shape[-1]
-    if x.dim() == 0 or D < 2 or D & (D - 1):
+    if x.dim() == 0 or D < 2 or D & (D - 1) or dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return None
-    x = x.detach().float().contiguous()
+    x = x.detach()
+    x = (x if x.dtype in (torch.float32, torch.bfloat16, torch.float16) else x.float()).contiguous()
     N = x.numel() // D
-    back = torch.empty_like(x)
+    back = torch.empty(x.shape, dtype=dtype, device=x.device)
     codes = torch.empty(*x.shape[:-1], D // 2 if bits == 4 else D, dtype=torch.uint8 if bits == 4 else torch.int8,
                         device=x.device)
     scale = torch.empty(*x.shape[:-1], 1, dtype=torch.bfloat16, device=x.device)
     if N:
         BN = max(1, min(64, 4096 // D))
         get_kernel(_round_kernel, key=("D", "BITS", "ROTATE"), warps=(4,), stages=(1,))[(triton.cdiv(N, BN),)](
-            x, back, codes, scale, N, D=D, LOG_D=D.bit_length() - 1, BITS=bits, ROTATE=bool(rotate), BN=BN)
+            x, back, codes, scale, N, D=D, LOG_D=D.bit_length() - 1, BITS=bits, ROTATE=bool(rotate),
+            SATURATE=dtype == torch.float16, BN=BN)
     return back, (codes, scale)
