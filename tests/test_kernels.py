@@ -698,12 +698,16 @@ def test_memory_ranking_kernel_gives_the_sweeps_indices(monkeypatch):
 
     def scrambled(rank, top, evict, e_first, block, upto, M):
         """The pass with the top sets' empty slots (top-K's picks of rank -1) pointing anywhere at or after the
-        block's first candidate, as a GPU's top-K may leave them: the kernel must take them as empty."""
+        block's first candidate, as a GPU's top-K may leave them, every other one after ``upto`` (where the indices
+        stay C): the kernel must take them as empty."""
         ran.append(1)
+        C = rank.shape[-1] - 1
         e0 = (e_first + torch.arange(top.shape[2]) * block).view(1, 1, -1, 1)
-        empty = rank.gather(-1, top.flatten(2)).view(top.shape) < 0
-        anywhere = e0 + (torch.rand(top.shape, generator=gen) * (rank.shape[-1] - e0)).long()
-        return K.fused_memory_evict(rank, torch.where(empty, anywhere, top), evict, e_first, block, upto, M)
+        empty = (rank.gather(-1, top.flatten(2)).view(top.shape) < 0) | (top >= e0)
+        anywhere = e0 + (torch.rand(top.shape, generator=gen) * (C + 1 - e0)).long()
+        late = upto + (torch.rand(top.shape, generator=gen) * (C - upto)).long()
+        later = torch.where(torch.arange(top.shape[-1]) % 2 == 0, late.clamp(min=e0), anywhere)
+        return K.fused_memory_evict(rank, torch.where(empty, later, top), evict, e_first, block, upto, M)
 
     monkeypatch.setattr(modeling, "fused_memory_evict", scrambled)
     big = torch.tensor(3.0e38)  # with the next float up: ranks a packing that lets a position's bits touch the score's

@@ -78,10 +78,10 @@ def _evict_block_kernel(rank, top, evict, C, K, n, e_first, block, upto, M,
     for x0 in range(0, K + block, XB):
         xs = x0 + tl.arange(0, XB)
         idx = tl.load(tops + xs, mask=xs < K, other=C)
-        # (a top set's slot at or after the block's first, one top-K filled with a later candidate, needs no care
-        # here: the count of earlier candidates above it is its own block's, which writes the same, or reaches M
-        # before it, where it leaves as it enters; as a d below it must not count)
-        idx = tl.where(xs < K, idx, tl.where((xs < K + block) & (e0 + xs - K < upto), e0 + xs - K, C))
+        # a top set's slot at or after the block's first is one top-K filled with a later candidate: empty (which
+        # candidate top-K picks among those is the device's choice; the indices must not depend on it)
+        idx = tl.where(xs < K, tl.where(idx < e0, idx, C),
+                       tl.where((xs < K + block) & (e0 + xs - K < upto), e0 + xs - K, C))
         r_x = tl.load(ranks + idx)
         above = tl.full([XB], 0, tl.int32)
         for d0 in range(0, K, DB):
