@@ -341,16 +341,16 @@ class AarenMLP(nn.Module):
         else:
             self.fc_in = nn.Linear(h, i, bias=bias)
             self.fc_out = nn.Linear(i, h, bias=bias)
+        self.hidden_act = config.hidden_act
         self.act_fn = ACT2FN[config.hidden_act]
-        # the activations the Triton kernel computes (torch's formulas), by the kernel's names for them
-        self.glu_act = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}.get(config.hidden_act)
 
     def forward(self, x):
         if self.gated:
             gate, up = self.gate_proj(x), self.up_proj(x)
-            if self.glu_act and takes_triton(fused_glu, gate):
-                # one launch each way, keeping gate and up for backward, not act(gate) besides
-                h = fused_glu(gate, up, self.glu_act)
+            if takes_triton(fused_glu, gate):
+                # one launch each way, keeping gate and up for backward, not act(gate) besides (None: an
+                # activation the kernel does not compute)
+                h = fused_glu(gate, up, self.hidden_act)
                 if h is not None:
                     return self.down_proj(h)
             return self.down_proj(self.act_fn(gate) * up)
@@ -1302,6 +1302,7 @@ class AarenMixer(nn.Module):
         self.k_proj = nn.Linear(E, Hkv * D, bias=config.attention_bias)
         self.v_proj = nn.Linear(E, Hkv * D, bias=config.attention_bias)
         self.o_proj = nn.Linear(H * D, E, bias=config.attention_out_bias)
+        self.qk_norm = config.qk_norm  # (a flag, not hasattr: a missing module costs an exception every call)
         if config.qk_norm:
             self.q_norm = AarenRMSNorm(D, eps=config.rms_norm_eps, unit_offset=config.rms_norm_unit_offset)
             self.k_norm = AarenRMSNorm(D, eps=config.rms_norm_eps, unit_offset=config.rms_norm_unit_offset)
@@ -1408,7 +1409,7 @@ class AarenMixer(nn.Module):
         scores and the retention rules read."""
         B, T, _ = x.shape
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        return self.k_norm(k) if hasattr(self, "k_norm") else k
+        return self.k_norm(k) if self.qk_norm else k
 
     def project(self, x):
         """(q [B, T, H, D] or None without q_proj, k [B, T, Hkv, D], v [B, T, Hkv, D]) of x [B, T, E], before rotary
@@ -1418,7 +1419,7 @@ class AarenMixer(nn.Module):
         q = None
         if hasattr(self, "q_proj"):
             q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
-            q = self.q_norm(q) if hasattr(self, "q_norm") else q
+            q = self.q_norm(q) if self.qk_norm else q
         return q, self.keys(x), v
 
     def aaren_output(self, x, q, k, v, mask, state):
@@ -1911,6 +1912,7 @@ class AarenDecoderLayer(GradientCheckpointingLayer):
         self.mixer = AarenMixer(config, layer_idx)
         self.post_attention_layernorm = make_norm(config, config.hidden_size)
         self.mlp = AarenMLP(config)
+        self.post_norms = config.post_norms
         if config.post_norms:
             self.post_mixer_layernorm = make_norm(config, config.hidden_size)
             self.post_mlp_layernorm = make_norm(config, config.hidden_size)
@@ -1919,11 +1921,11 @@ class AarenDecoderLayer(GradientCheckpointingLayer):
         mixed = self.mixer(self.input_layernorm(hidden_states), mask, pos, state, shared)
         if self.parallel_residual:
             return hidden_states + mixed + self.mlp(self.post_attention_layernorm(hidden_states))
-        if hasattr(self, "post_mixer_layernorm"):
+        if self.post_norms:
             mixed = self.post_mixer_layernorm(mixed)
         hidden_states = hidden_states + mixed
         out = self.mlp(self.post_attention_layernorm(hidden_states))
-        if hasattr(self, "post_mlp_layernorm"):
+        if self.post_norms:
             out = self.post_mlp_layernorm(out)
         return hidden_states + out
 

@@ -198,6 +198,17 @@ def random_teacher_and_student(layers):
     return teacher, build_student(teacher, mixer_options("aaren", "smollm2-135m"))
 
 
+def layer_in_pytorch():
+    """A patch that runs the student's RMSNorm and gated MLP by their PyTorch code where a GPU would run their Triton
+    kernels, as the teacher runs its own: the mixer's difference alone (``--layer pytorch`` of count_ops.py and
+    saved_memory.py)."""
+    from unittest import mock
+
+    import aaren_hf.modeling_aaren as modeling
+
+    return mock.patch.multiple(modeling, fused_rms_norm=None, fused_glu=None)
+
+
 def build_models(args):
     """{name: model} on the device, in eval mode and the benchmark dtype; students converted from the teacher, or
     the --student folder and its own teacher."""

@@ -18,7 +18,12 @@ Why one process: runs of bench_model.py minutes apart differ by a few percent on
 kernel changes. Here every round runs the teacher and both builds once, in a rotated order, and the medians are
 compared; on a 2-core VM, repeated runs of 15 rounds still differed by up to 2% at 300 tokens, so a change smaller
 than that needs several runs (or the kernel timed on its own). Prefill only (one forward over the prompt returning
-the cache, as generate() starts); decode steps are bench_decode.py's and bench_model.py's.
+the cache, as generate() starts); with ``--decode N``, N decode steps after each prompt instead, each run continuing
+its own cache, one step per round (the same tokens for all), the decode step's wrapper (``mixer_step_cpu``) swapped
+as the prefill's are:
+
+    python -P benchmarks/compare_kernels.py --rev HEAD~1 --prompts 5,100 --decode 60 \
+        --student outputs/SmolLM2-135M-Instruct-aaren
 """
 
 from __future__ import annotations
@@ -144,13 +149,16 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=None, help="layers of the random model (default: the shape's)")
     p.add_argument("--prompts", type=_int_list, default=[100, 1000], help="prompt lengths, e.g. 100,1000")
     p.add_argument("--repeats", type=int, default=15, help="timed rounds (each runs teacher and both builds once)")
+    p.add_argument("--decode", type=int, default=0, metavar="N", help="time N decode steps after each prompt (one "
+                   "step per round, --warmup steps first) instead of the prefill")
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds first, per prompt")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (the kernels use the same pool)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", dest="json_path", default=None, help="also write the numbers to this JSON file")
     args = p.parse_args(argv)
-    if args.repeats < 1 or args.warmup < 0 or args.threads < 1 or (args.layers is not None and args.layers < 1):
-        p.error("--repeats, --threads and --layers must be >= 1, --warmup >= 0")
+    if (args.repeats < 1 or args.warmup < 0 or args.threads < 1 or args.decode < 0
+            or (args.layers is not None and args.layers < 1)):
+        p.error("--repeats, --threads and --layers must be >= 1, --warmup and --decode >= 0")
     if args.student and not (Path(args.student) / "config.json").is_file():
         p.error(f"--student {args.student}: no config.json there (a folder written by aaren-convert)")
     return args
@@ -169,15 +177,24 @@ def main(argv=None):
         for length in args.prompts:
             ids = torch.randint(3, teacher.config.vocab_size, (1, length),
                                 generator=torch.Generator().manual_seed(length))
-            times, logits = {name: [] for name in runs}, {}
+            times, logits, caches = {name: [] for name in runs}, {}, {}
+            rounds = args.warmup + (args.decode or args.repeats)
+            follow = torch.randint(3, teacher.config.vocab_size, (rounds, 1, 1),
+                                   generator=torch.Generator().manual_seed(1))
             with torch.no_grad():
-                for r in range(args.warmup + args.repeats):
+                for name, (model, wrappers) in runs.items() if args.decode else ():
+                    with serving(model_code, wrappers) if wrappers else contextlib.nullcontext():
+                        caches[name] = model(input_ids=ids, use_cache=True, logits_to_keep=1).past_key_values
+                for r in range(rounds):
                     names = list(runs)[r % len(runs):] + list(runs)[:r % len(runs)]  # rotated: load hits all alike
                     for name in names:
                         model, wrappers = runs[name]
                         with serving(model_code, wrappers) if wrappers else contextlib.nullcontext():
                             start = time.perf_counter()
-                            out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+                            if args.decode:  # one step, continuing this run's own cache
+                                out = model(input_ids=follow[r], past_key_values=caches[name], use_cache=True)
+                            else:
+                                out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
                             seconds = time.perf_counter() - start
                         logits.setdefault(name, out.logits)
                         if r >= args.warmup:
@@ -188,8 +205,10 @@ def main(argv=None):
                              max_logit_change=float((a - b).abs().max()),
                              speed_vs_rev=median[args.rev] / median["this checkout"],
                              speed_vs_teacher={n: median["teacher"] / median[n] for n in ("this checkout", args.rev)}))
+    work = f"a decode step after the prompt (medians of {args.decode} alternating steps)" if args.decode else \
+        f"the prefill (medians of {args.repeats} alternating rounds)"
     print(f"kernels: this checkout ({REPO}) against {args.rev}{' (the same kernels)' if same else ''}; "
-          f"{args.threads} thread(s), medians of {args.repeats} alternating rounds")
+          f"{args.threads} thread(s); {work}")
     print(f"| prompt | teacher | this checkout | {args.rev} | this / {args.rev} speed | x teacher: this, {args.rev} "
           "| same logits |")
     print("|---|---|---|---|---|---|---|")
@@ -200,7 +219,8 @@ def main(argv=None):
               f"{s[args.rev] * 1e3:.1f} ms | {row['speed_vs_rev']:.3f}x | {v['this checkout']:.3f}x, "
               f"{v[args.rev]:.3f}x | {same_logits} |")
     if args.json_path:
-        Path(args.json_path).write_text(json.dumps(dict(rev=args.rev, same_kernels=same, rows=rows), indent=1))
+        Path(args.json_path).write_text(json.dumps(dict(rev=args.rev, same_kernels=same, decode_steps=args.decode,
+                                                        rows=rows), indent=1))
     return rows
 
 

@@ -140,7 +140,7 @@ def main(argv=None):
     counts, first, moved = [], None, {"prefill": [], "train": {}}  # moved: MB read and written per layer
     with mock.patch.dict(os.environ, AAREN_BACKEND="torch"), contextlib.ExitStack() as layer:  # no C kernels
         if args.layer == "pytorch":
-            layer.enter_context(mock.patch.multiple(modeling, fused_rms_norm=None, fused_glu=None))
+            layer.enter_context(bench_model.layer_in_pytorch())
         for label, as_gpu in (("as a CPU runs it", False), ("as a GPU runs it", True)):
             with mock.patch.object(modeling, "launch_bound", lambda device: as_gpu), torch.no_grad(), \
                     contextlib.ExitStack() as patches:

@@ -106,7 +106,7 @@ def main(argv=None):
         if args.window == "pytorch":
             patches.enter_context(mock.patch.object(modeling, "fused_window_attention", None))
         if args.layer == "pytorch":
-            patches.enter_context(mock.patch.multiple(modeling, fused_rms_norm=None, fused_glu=None))
+            patches.enter_context(bench_model.layer_in_pytorch())
         result = {name: saved_by_line(model.to(dtype).train(), ids)
                   for name, model in (("teacher", teacher), ("student", student))}
     mib = {name: per_layer(by_line, args.layers) / 2**20 for name, by_line in result.items()}

@@ -94,6 +94,39 @@ def test_head_against_this_checkout_end_to_end(tmp_path, capsys):
             assert row["same_logits"] and row["max_logit_change"] == 0.0
 
 
+def test_decode_steps_run_each_sides_step_kernel(tmp_path, capsys):
+    """``--decode``: each side's decode step runs its own wrapper and C (a revision whose step kernel halves the
+    window's softmax gives other logits after a prompt the window is full after); end to end, a decode-step table
+    whose sides agree bit for bit where the kernels are the same."""
+    needs_compiler()
+    compare = load_script()
+    student, model_code = tiny_student()
+    changed = compare.wrappers_at(kernels_copy(tmp_path / "changed", {"window/step.c": (
+        "scores[g * N + j] /= sum;", "scores[g * N + j] /= 2.0f * sum;")}), model_code)
+    ids = torch.randint(3, 200, (1, 40), generator=torch.Generator().manual_seed(0))
+
+    def step_logits(wrappers):
+        with torch.no_grad(), compare.serving(model_code, wrappers):
+            cache = student(input_ids=ids, use_cache=True).past_key_values
+            return student(input_ids=ids[:, :1], past_key_values=cache, use_cache=True).logits
+
+    assert not torch.allclose(step_logits(changed), step_logits({}), atol=1e-3)
+    try:
+        compare.git("rev-parse", "--verify", "HEAD^{commit}")
+    except SystemExit:
+        return  # not a git checkout: nothing to compare end to end
+    out = tmp_path / "decode.json"
+    rows = compare.main(["--rev", "HEAD", "--shape", "tiny", "--prompts", "24", "--decode", "3", "--warmup", "1",
+                         "--json", str(out)])
+    assert "a decode step after the prompt (medians of 3 alternating steps)" in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert report["decode_steps"] == 3 and len(rows) == 1
+    for row in report["rows"]:
+        assert set(row["seconds"]) == {"teacher", "this checkout", "HEAD"} and min(row["seconds"].values()) > 0
+        if report["same_kernels"]:
+            assert row["same_logits"] and row["max_logit_change"] == 0.0
+
+
 def test_what_it_cannot_compare_is_refused_with_a_reason(tmp_path):
     needs_compiler()
     compare = load_script()
@@ -120,5 +153,7 @@ def test_what_it_cannot_compare_is_refused_with_a_reason(tmp_path):
             compare.kernels_at("no-such-revision-here", tmp_path)
     with pytest.raises(SystemExit):
         compare.parse_args(["--rev", "HEAD", "--repeats", "0"])
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--rev", "HEAD", "--decode", "-1"])
     with pytest.raises(SystemExit):
         compare.parse_args(["--rev", "HEAD", "--student", str(tmp_path)])  # no config.json there

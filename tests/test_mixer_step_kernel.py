@@ -144,10 +144,41 @@ def test_whole_model_decodes_as_the_reference(case, monkeypatch):
     by the larger of their own and layer 0's), decoded token by token with the kernel and with the PyTorch steps:
     the same logits to float rounding and the same cache: which tokens every layer holds where (positions, the
     memory's choices) exactly; layer 0's values bit for bit but its Aaren state; the later layers', whose inputs
-    carry layer 0's rounding, to rounding."""
-    (got, got_cache), (want, want_cache) = whole_model_with_and_without("mixer_step_cpu", case, [3] + [1] * 37,
-                                                                         monkeypatch)
+    carry layer 0's rounding, to rounding. Then a prompt that continues the cache (which gives the state new tensors,
+    where the kernel's wrapper kept the old ones' pointers) and decode steps again."""
+    (got, got_cache), (want, want_cache) = whole_model_with_and_without("mixer_step_cpu", case,
+                                                                         [3] + [1] * 37 + [5, 1, 1, 1], monkeypatch)
     assert_same_cache(got, got_cache, want, want_cache, first_aaren_exact=False)
+
+
+def test_copies_of_a_cache_the_kernel_stepped_step_on_their_own():
+    """The step's wrapper keeps each state's pointers on the state: a copy of a cache that the kernel has stepped
+    (``copy.deepcopy``, or each layer's ``AarenLayerState.copy``) takes further steps in its own tensors, as the
+    original does in its own: the same logits from both, the original left as it was while the copies step."""
+    import copy
+
+    from aaren_hf.modeling_aaren import AarenCache
+
+    model = tiny_model(**STEP_CASES["default_like_d64"])
+    ids = torch.randint(1, 60, (2, 30), generator=torch.Generator().manual_seed(3))
+    cache = AarenCache(model.config)
+    with torch.no_grad():
+        model(ids[:, :20], past_key_values=cache, use_cache=True)
+        for t in range(20, 24):  # C steps: the wrapper now holds this cache's pointers
+            model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+        deep = copy.deepcopy(cache)
+        layered = copy.copy(cache)
+        layered.layers = [state.copy() for state in cache.layers]
+        before = [{k: t.clone() for k, t in state.tensors().items()} for state in cache.layers]
+        logits = {}
+        for name, stepped in (("deepcopy", deep), ("copy", layered)):
+            logits[name] = torch.stack([model(ids[:, t:t + 1], past_key_values=stepped, use_cache=True).logits
+                                        for t in range(24, 30)])
+        for state, kept in zip(cache.layers, before):
+            assert all(torch.equal(state.tensors()[k], kept[k]) for k in kept)
+        logits["original"] = torch.stack([model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits
+                                          for t in range(24, 30)])
+    assert torch.equal(logits["deepcopy"], logits["original"]) and torch.equal(logits["copy"], logits["original"])
 
 
 @pytest.mark.parametrize("case", ["memory_int8", "int8_d64", "default_like_d64"])

@@ -7,7 +7,14 @@
 #ifndef AAREN_AAREN_H
 #define AAREN_AAREN_H
 
+#include <math.h>
 #include <stdint.h>
+
+/* torch.lerp's formula, exact at both ends: the scan's update here and the gate's mix of the branches (mixer/step.c),
+ * as the PyTorch code computes both */
+static inline float lerp(float a, float b, float w) {
+    return fabsf(w) < 0.5f ? a + w * (b - a) : b - (b - a) * (1.0f - w);
+}
 
 int aaren_branch_step(int B, int H, int Hkv, int D, int J, int decay, float scale,
                       const float *q, const float *k, const float *v, const uint8_t *keep,

@@ -40,11 +40,6 @@ static float dot(const float *a, const float *b, int D) {
     return acc;
 }
 
-/* torch.lerp's formula: exact at both ends */
-static inline float lerp(float a, float b, float w) {
-    return fabsf(w) < 0.5f ? a + w * (b - a) : b - (b - a) * (1.0f - w);
-}
-
 /* torch.nn.functional.softplus (beta 1, threshold 20) */
 static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 

@@ -17,7 +17,9 @@ import triton.language as tl
 from ..aaren.chunk import device_function, get_kernel
 from ..memory.codes import _cast, _rounded
 
-ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+# by the names of transformers' ACT2FN, which the model's config gives (hidden_act): silu, and the tanh GELU as
+# torch computes it
+ACTIVATIONS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1}
 _BLOCK = 1024
 
 
@@ -84,8 +86,9 @@ class GLUFunction(torch.autograd.Function):
 
 
 def glu_triton(gate, up, act):
-    """act(gate) * up with its gradients, ``act`` "silu" or "gelu_tanh"; None where the kernel does not take the
-    inputs (another activation, float64, different shapes or dtypes)."""
+    """act(gate) * up with its gradients, ``act`` a config's ``hidden_act`` ("silu", "swish" or
+    "gelu_pytorch_tanh"); None where the kernel does not take the inputs (another activation, float64, different
+    shapes or dtypes)."""
     if act not in ACTIVATIONS or gate.shape != up.shape or gate.dtype != up.dtype or gate.dtype == torch.float64:
         return None
     return GLUFunction.apply(gate, up, ACTIVATIONS[act])

@@ -21,6 +21,9 @@ reference.
 from __future__ import annotations
 
 import ctypes
+import operator
+import weakref
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -35,12 +38,34 @@ KERNELS = Path(__file__).parent.parent
 SOURCES = tuple(KERNELS / name for name in (
     "aaren/step.c", "window/step.c", "window/rotate.c", "window/prefill.c", "window/chunk.c", "memory/evict.c",
     "memory/codes.c", "memory/prefill.c", "mixer/step.c", "mixer/prefill.c"))
-SIGNATURES = {"aaren_mixer_step": (ctypes.c_int, [ctypes.c_int] * 16 + [ctypes.c_float] + [ctypes.c_void_p] * 37),
+SIGNATURES = {"aaren_mixer_step": (ctypes.c_int, [ctypes.POINTER(ctypes.c_int), ctypes.c_float,
+                                                  ctypes.POINTER(ctypes.c_void_p)]),
               "aaren_mixer_prefill": (ctypes.c_int, [ctypes.c_int] * 21 + [ctypes.c_float, ctypes.c_void_p,
                                                                          ctypes.c_int64] + [ctypes.c_void_p] * 46),
               "aaren_mixer_prefill_scratch": (ctypes.c_int64, [ctypes.c_int] * 11)}
 RULE = {"learned": 1, "aaren": 2}
 MEMORY_PARTS = ("k", "v", "k_scale", "v_scale", "pos", "score")  # the state's memory_* tensors, in the calls' order
+# A decode step's call takes its arguments packed (mixer/step.c unpacks them in these orders): 16 sizes and switches,
+# then 37 pointers.
+STEP_SIZES = ("B", "H", "Hkv", "D", "J", "decay", "rot", "W", "S", "M", "bf16", "bits", "rotate", "rule", "share",
+              "gate_per_token")
+STEP_POINTERS = ("q", "k", "v", "pos", "keep", "queries", "log_decay", "decay_in", "o_in", "lse_in", "o_new", "lse_new",
+                 "cos_t", "sin_t", "cos_s", "sin_s", "win_k", "win_v", "win_pos", "win_score", "sink_k", "sink_v",
+                 "sink_pos", "mem_k", "mem_v", "mem_k_scale", "mem_v_scale", "mem_pos", "mem_score", "retention_in",
+                 "shared", "gate", "out", "new_win_k", "new_win_v", "new_win_pos", "new_win_score")
+# the state's tensors among them, for (Aaren branch, window, memory, memory codes): the step writes them in place (the
+# same tensor in and out: o_new = o_in, new_win_* = win_*)
+_STATE_PARTS = (
+    (0, {"o_in": "aaren_o", "lse_in": "aaren_lse", "o_new": "aaren_o", "lse_new": "aaren_lse"}),
+    (1, {"win_k": "window_k", "win_v": "window_v", "win_pos": "window_pos", "sink_k": "sink_k", "sink_v": "sink_v",
+         "sink_pos": "sink_pos", "new_win_k": "window_k", "new_win_v": "window_v", "new_win_pos": "window_pos"}),
+    (2, {"win_score": "window_score", "new_win_score": "window_score", "mem_k": "memory_k", "mem_v": "memory_v",
+         "mem_pos": "memory_pos", "mem_score": "memory_score"}),
+    (3, {"mem_k_scale": "memory_k_scale", "mem_v_scale": "memory_v_scale"}))
+_HELD = weakref.WeakKeyDictionary()  # layer state -> its call's arrays (_held_call)
+_INPUTS = tuple(STEP_POINTERS.index(name) for name in (
+    "q", "k", "v", "pos", "keep", "queries", "log_decay", "decay_in", "cos_t", "sin_t", "cos_s", "sin_s",
+    "retention_in", "shared", "gate", "out"))
 
 
 def library():
@@ -49,7 +74,40 @@ def library():
 
 
 def _float32_cpu(*tensors) -> bool:
-    return all(t is None or (t.is_cpu and t.dtype == torch.float32) for t in tensors)
+    for t in tensors:  # (a loop, not all() over a generator: a decode step asks this of each layer)
+        if t is not None and (t.dtype != torch.float32 or not t.is_cpu):
+            return False
+    return True
+
+
+@lru_cache(maxsize=None)
+def _state_places(parts: tuple):
+    """((place among STEP_POINTERS, state tensor name), ...) for the parts a layer has (``_STATE_PARTS``' flags), and
+    a getter of those tensors."""
+    places = tuple((STEP_POINTERS.index(arg), name) for flag, args in _STATE_PARTS if parts[flag]
+                   for arg, name in args.items())
+    return places, operator.attrgetter(*(name for _, name in places))
+
+
+def _held_call(state, parts: tuple, sizes: tuple, inference: bool):
+    """The call's packed sizes and pointers (ctypes arrays) with the state's tensors' pointers in their places, each
+    tensor the state's own, contiguous and writable in place (``writable``). A step writes them in place, so the
+    arrays are kept for the state (``_HELD``) with the tensors they point into, and serve each step while the state
+    holds those same tensors (a prompt or a beam's reorder puts new ones there): a step's Python then checks the
+    state's tensors by identity, not each one's layout and pointer again. Kept beside the state, not on it: a copy of
+    the state (``AarenLayerState.copy``, ``copy.deepcopy``) has tensors of its own, which the pointers of the
+    original's would not reach."""
+    places, tensors = _state_places(parts)
+    held = _HELD.get(state)
+    if (held is not None and held[0] == (parts, sizes, inference)
+            and all(map(operator.is_, tensors(state), held[1]))):
+        return held[2], held[3]
+    pointers = (ctypes.c_void_p * len(STEP_POINTERS))()
+    for i, name in places:
+        pointers[i] = writable(state, name, inference).data_ptr()
+    held = _HELD[state] = ((parts, sizes, inference), tensors(state), (ctypes.c_int * len(STEP_SIZES))(*sizes),
+                           pointers)
+    return held[2], held[3]
 
 
 def mixer_step_cpu(q, k, v, pos, mask, state, *, queries, log_decay, decay_in, decay, angles, sink_turn, window,
@@ -83,39 +141,23 @@ def mixer_step_cpu(q, k, v, pos, mask, state, *, queries, log_decay, decay_in, d
     lib = library()
     if lib is None:
         return None
-    # held here until the call returns: a contiguous copy made on the way would otherwise be freed before it
-    inputs = [None if t is None else dense(t) for t in (q, k, v, pos, mask, queries, log_decay, decay_in)]
-    # the state is written in place: each tensor contiguous and the state's own (a copy, where it was not)
-    inference = torch.is_inference_mode_enabled()
-    aaren = [None] * 4
-    if J:
-        aaren = [writable(state, n, inference) for n in ("aaren_o", "aaren_lse")] * 2  # o_new = o_in
-    win = [None] * 11
-    memory = [None] * 6
-    new_win = [None] * 4
-    rot = 0
+    cos_t = sin_t = cos_s = sin_s = None
     if window:
-        cos_t, sin_t = (dense(a) for a in angles)
-        cos_s, sin_s = (cos_t, sin_t) if sink_turn is None else (dense(a) for a in sink_turn)
-        rot = cos_t.shape[-1]
-        names = ("window_k", "window_v", "window_pos") + (("window_score",) if M > 0 else ())
-        new_win = [writable(state, n, inference) for n in names] + ([] if M > 0 else [None])
-        win = [cos_t, sin_t, cos_s, sin_s, *new_win]  # new_win_* = win_*
-        win += [writable(state, n, inference) for n in ("sink_k", "sink_v", "sink_pos")]
-        if M > 0:
-            names = ("memory_k", "memory_v", "memory_k_scale", "memory_v_scale") if bits else ("memory_k", "memory_v")
-            memory = [writable(state, n, inference) for n in names] + ([] if bits else [None, None])
-            memory += [writable(state, n, inference) for n in ("memory_pos", "memory_score")]
-    if retention is not None:
-        retention = dense(retention)
-    if gate is not None:
-        gate = dense(gate)
+        cos_t, sin_t = angles
+        cos_s, sin_s = angles if sink_turn is None else sink_turn
+    sizes = (B, H, Hkv, D, J, DECAYS[decay], 0 if cos_t is None else cos_t.shape[-1], window, sinks, M,
+             int(stored == torch.bfloat16), bits or 0, int(bool(rotate)), RULE.get(rule, 0), share,
+             int(gate is not None and gate.dim() > 1))
+    n, pointers = _held_call(state, (J > 0, window > 0, M > 0, bool(bits)), sizes, torch.is_inference_mode_enabled())
     out = torch.empty(B, 1, H, D)
-    tensors = (*inputs, *aaren, *win, *memory, retention, shared_retention, gate, out, *new_win)
-    rc = lib.aaren_mixer_step(B, H, Hkv, D, J, DECAYS[decay], rot, window, sinks, M, int(stored == torch.bfloat16),
-                              bits or 0, int(bool(rotate)), RULE.get(rule, 0), share,
-                              int(gate is not None and gate.dim() > 1), float(scale),
-                              *(None if t is None else t.data_ptr() for t in tensors))
+    copies = []  # held here until the call returns: a contiguous copy made on the way would otherwise be freed first
+    for i, t in zip(_INPUTS, (q, k, v, pos, mask, queries, log_decay, decay_in, cos_t, sin_t, cos_s, sin_s, retention,
+                              shared_retention, gate, out)):
+        if t is not None and not t.is_contiguous():
+            t = t.contiguous()
+            copies.append(t)
+        pointers[i] = None if t is None else t.data_ptr()
+    rc = lib.aaren_mixer_step(n, float(scale), pointers)
     if rc == 1:  # a shape a branch kernel does not take: none of the state written
         return None
     if rc != 0:

@@ -24,11 +24,6 @@
 #include "../window/window.h"
 #include "mixer.h"
 
-/* torch.lerp's formula: exact at both ends */
-static inline float lerp(float a, float b, float w) {
-    return fabsf(w) < 0.5f ? a + w * (b - a) : b - (b - a) * (1.0f - w);
-}
-
 /* The retention scores of n tokens (a decode step's B, a prompt's B T) into retention [n, Hkv]: retention_proj(x)
  * as given in retention_in [n, Hkv] (rule 1) or the best of each kv head's slot scores s [n, HJ] (rule 2), on the
  * 1/64 grid (round_retention); share 1 writes each token's best over kv heads to shared [n], 2 ranks by the larger
@@ -70,22 +65,39 @@ void aaren_gate_mix(int64_t n, int H, int D, const float *gate, int per_token, c
         }
 }
 
-/* rule: 1 retention_in [B, Hkv] is retention_proj(x), 2 the best slot score per kv head. share: 0 none, 1 this
+/* The arguments come packed, n[16] sizes and switches and p[37] pointers (their order: STEP_SIZES and STEP_POINTERS
+ * in the wrapper, kernels/mixer/__init__.py): ctypes passes three arguments in a fraction of the time
+ * it takes to convert 54, and after a short prompt the Python around a decode step's call is a good part of the
+ * layer's time.
+ * rule: 1 retention_in [B, Hkv] is retention_proj(x), 2 the best slot score per kv head. share: 0 none, 1 this
  * layer writes its best over kv heads to shared [B], 2 this layer ranks by max(its own, shared). gate [H] per head,
  * or [B, H] with gate_per_token. Returns what a branch kernel returned when it declined (1: nothing of the state
  * written; the caller runs the reference) or 2 when out of memory. */
-int aaren_mixer_step(
-    int B, int H, int Hkv, int D, int J, int decay, int rot, int W, int S, int M, int bf16, int bits, int rotate,
-    int rule, int share, int gate_per_token, float scale,
-    const float *q, const float *k, const float *v, const int64_t *pos, const uint8_t *keep,
-    const float *queries, const float *log_decay, const float *decay_in, const float *o_in, const float *lse_in,
-    float *o_new, float *lse_new,
-    const float *cos_t, const float *sin_t, const float *cos_s, const float *sin_s,
-    const void *win_k, const void *win_v, const int64_t *win_pos, const float *win_score,
-    void *sink_k, void *sink_v, int64_t *sink_pos,
-    void *mem_k, void *mem_v, uint16_t *mem_k_scale, uint16_t *mem_v_scale, int64_t *mem_pos, float *mem_score,
-    const float *retention_in, float *shared, const float *gate,
-    float *out, void *new_win_k, void *new_win_v, int64_t *new_win_pos, float *new_win_score) {
+int aaren_mixer_step(const int *n, float scale, void *const *p) {
+    int B = n[0], H = n[1], Hkv = n[2], D = n[3], J = n[4], decay = n[5], rot = n[6], W = n[7], S = n[8], M = n[9];
+    int bf16 = n[10], bits = n[11], rotate = n[12], rule = n[13], share = n[14], gate_per_token = n[15];
+    const float *q = p[0], *k = p[1], *v = p[2];
+    const int64_t *pos = p[3];
+    const uint8_t *keep = p[4];
+    const float *queries = p[5], *log_decay = p[6], *decay_in = p[7], *o_in = p[8], *lse_in = p[9];
+    float *o_new = p[10], *lse_new = p[11];
+    const float *cos_t = p[12], *sin_t = p[13], *cos_s = p[14], *sin_s = p[15];
+    const void *win_k = p[16], *win_v = p[17];
+    const int64_t *win_pos = p[18];
+    const float *win_score = p[19];
+    void *sink_k = p[20], *sink_v = p[21];
+    int64_t *sink_pos = p[22];
+    void *mem_k = p[23], *mem_v = p[24];
+    uint16_t *mem_k_scale = p[25], *mem_v_scale = p[26];
+    int64_t *mem_pos = p[27];
+    float *mem_score = p[28];
+    const float *retention_in = p[29];
+    float *shared = p[30];
+    const float *gate = p[31];
+    float *out = p[32];
+    void *new_win_k = p[33], *new_win_v = p[34];
+    int64_t *new_win_pos = p[35];
+    float *new_win_score = p[36];
     /* the Aaren branch updates its state in place: a window kernel that declined after it would leave it half done */
     if (W > 0 && !aaren_window_step_takes(H, Hkv, D, rotate)) return 1;
     const int HJ = H * J, BHD = B * H * D;
