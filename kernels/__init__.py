@@ -250,8 +250,8 @@ def fused_rms_norm(x, weight, eps, offset=False):
 
 def fused_glu(gate, up, act):
     """act(gate) * up (``AarenMLP``, modeling_aaren.py; ``act`` the config's ``hidden_act``) in one Triton launch
-    forward and one backward (``layer/glu.py``), keeping gate and up for backward; None where it does not take the inputs.
-    Callers check ``select_backend(gate) == "triton"`` first."""
+    forward and one backward (``layer/glu.py``), keeping gate and up for backward; None where it does not take the
+    inputs. Callers check ``select_backend(gate) == "triton"`` first."""
     from .layer.glu import glu_triton
 
     return glu_triton(gate, up, act)
