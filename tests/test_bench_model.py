@@ -157,16 +157,20 @@ def test_count_ops_as_a_gpu_runs_it_runs_fewer_operators(monkeypatch):
     the CPU's pieces and sweep passes small, so that a short prompt takes several of each."""
     import os
 
+    import torch
+
     bench = load_bench()
     count_ops = importlib.import_module("count_ops")
     from aaren_hf import modeling_aaren
     from aaren_hf.kernels import triton_available
 
-    monkeypatch.setitem(bench.SHAPES, "smollm2-135m", dict(bench.SHAPES["smollm2-135m"], vocab_size=512, hidden_size=192,
-                                                           intermediate_size=512, num_attention_heads=3,
-                                                           num_key_value_heads=1))
+    narrow = dict(bench.SHAPES["smollm2-135m"], vocab_size=512, hidden_size=192, intermediate_size=512,
+                  num_attention_heads=3, num_key_value_heads=1)
+    monkeypatch.setitem(bench.SHAPES, "smollm2-135m", narrow)
+    M, Hkv = bench.mixer_options("aaren", "smollm2-135m")["memory_size"], narrow["num_key_value_heads"]
+    block, _ = modeling_aaren.sweep_plan(1, Hkv, M, torch.device("cpu"))
     monkeypatch.setattr(modeling_aaren, "PREFILL_CHUNK", 256)
-    monkeypatch.setattr(modeling_aaren, "SWEEP_PAIRS", (448 + 448) ** 2)  # one block of the sweep a pass
+    monkeypatch.setattr(modeling_aaren, "SWEEP_PAIRS", Hkv * (M + block) ** 2)  # one block of the sweep a pass
     before = modeling_aaren.launch_bound, os.environ.get("AAREN_BACKEND")
     counts = count_ops.main(["--tokens", "700", "--layers", "1", "--decode-prompt", "600", "--train-tokens", "130"])
     assert counts["train"]["student"] > 0 and counts["train"]["teacher"] > 0
