@@ -303,6 +303,19 @@ def recording(fn, ran: list):
     return wrapper
 
 
+def distinct_mixers(model, where=lambda mixer: True):
+    """The model's mixers (those ``where`` says), one per layer configuration: layers alike but for their weights
+    run a kernel's code the same way on the same shapes, and in Triton's interpreter each costs seconds."""
+    mixers = {}
+    for mixer in (layer.mixer for layer in model.model.layers):
+        rope = getattr(mixer, "rope_inv_freq", None)
+        key = (mixer.aaren_branch, mixer.window, mixer.num_sinks, mixer.memory_size,
+               None if rope is None else tuple(rope.tolist()))
+        if where(mixer):
+            mixers.setdefault(key, mixer)
+    return list(mixers.values())
+
+
 def kernel_beside_reference(mixer, x, mask, pos, monkeypatch, name, prompt=3, rounded=(), tol=1e-5, pieces=None,
                             start=None):
     """Feed ``mixer`` the same tokens twice, a prompt of ``prompt`` tokens and then one token per call (or pieces of

@@ -290,11 +290,11 @@ def _written_inputs(graph, inputs):
 def test_a_static_cache_decodes_with_one_graph_a_cuda_graph_can_replay(case, rows, monkeypatch):
     """generate(cache_implementation="static") compiles the decode step (transformers' auto-compile, allowed on a
     CPU here) as a GPU runs it. What CUDA graphs need of it: one graph serves every step of two generate calls with
-    prompts of other lengths (recompiling is an error), with the eager tokens (left padding); none of its inputs is
-    a Python number (a CUDA
-    graph is recorded per value of one); it writes every tensor of the cache in place, and each input it writes is
-    marked as a fixed address (CUDA graphs skip a graph that writes any other input). Traced by a backend that keeps
-    the graph and runs it as it is."""
+    prompts of other lengths (recompiling is an error), with the tokens a CPU decodes eagerly (left padding; the
+    kernels on each side are checked against their references elsewhere); none of its inputs is a Python number (a
+    CUDA graph is recorded per value of one); it writes every tensor of the cache in place, and each input it writes
+    is marked as a fixed address (CUDA graphs skip a graph that writes any other input). Traced by a backend that
+    keeps the graph and runs it as it is."""
     monkeypatch.setattr(modeling, "launch_bound", lambda device: True)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     model = tiny_model(chunk_size=16, **MIXER_CASES[case])
@@ -310,7 +310,9 @@ def test_a_static_cache_decodes_with_one_graph_a_cuda_graph_can_replay(case, row
     try:
         for lengths in ((13, 10), (8, 11)):
             ids, mask = left_pad([random_ids(1, n, seed=n)[0] for n in lengths[:rows]])
-            eager = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+            with monkeypatch.context() as on_cpu:  # the tokens a CPU decodes, eagerly
+                on_cpu.setattr(modeling, "launch_bound", lambda device: False)
+                eager = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
             with torch._dynamo.config.patch(error_on_recompile=True):
                 out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
                                      cache_implementation="static", compile_config=config,

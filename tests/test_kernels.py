@@ -801,13 +801,14 @@ def test_memory_lists_kernel_gives_the_references_sets(monkeypatch):
 
 
 def _kept_memories(case, dtype, device, kernel, monkeypatch):
-    """(every layer's state after each of three prefill pieces as a GPU runs the model, how often the keep kernel
-    ran per layer); the kernel where ``kernel``, else ``keep_memory``'s PyTorch code."""
+    """(the state after each of three prefill pieces as a GPU runs the model, how often the keep kernel ran per
+    layer); the kernel where ``kernel``, else ``keep_memory``'s PyTorch code."""
     from helpers import MIXER_CASES, tiny_model
 
     import aaren_hf.modeling_aaren as modeling
 
-    model = tiny_model(chunk_size=16, **{**MIXER_CASES[case], "memory_size": 24}).to(device, dtype)
+    # one layer: a second, alike but for its weights, would double the interpreter's time and add no case
+    model = tiny_model(chunk_size=16, num_hidden_layers=1, **{**MIXER_CASES[case], "memory_size": 24}).to(device, dtype)
     ids = torch.randint(3, 60, (2, 60), generator=torch.Generator().manual_seed(1)).to(device)
     mask = torch.ones_like(ids)
     mask[1, :9] = 0
@@ -829,7 +830,7 @@ def _kept_memories(case, dtype, device, kernel, monkeypatch):
                                         ("memory_int4_hadamard", torch.bfloat16), ("memory_int4_gqa", torch.float32)])
 def test_keep_memory_kernel_leaves_the_references_state_bit_for_bit(case, dtype, monkeypatch):
     """The memory a prefill piece leaves, in Triton (kernels/memory/keep.py), against ``AarenMixer.keep_memory``'s
-    PyTorch code, as a GPU runs the model: every layer's state after each of three pieces bit for bit (slots in the
+    PyTorch code, as a GPU runs the model: the layer's state after each of three pieces bit for bit (slots in the
     same order, what was not kept cleared, empty slots as the reference pads them), where the candidates are fewer
     than the M = 24 slots (a first piece of 5 tokens) and more (a piece of 43), a left-padded row; plain keys and
     values, stored in another dtype, 8- and 4-bit codes with their scales, two kv heads."""
@@ -892,7 +893,7 @@ def test_aaren_step_kernel_equals_the_pytorch_step(case, monkeypatch):
     mixer's output to float32 rounding, the Aaren state to float32 rounding and everything else (window, sinks, the
     memory's choices, ranked by the kernel's scores where the rule says so) bit for bit."""
     import aaren_hf.modeling_aaren as modeling
-    from helpers import MIXER_CASES, STEP_CASES, kernel_beside_reference, step_inputs, tiny_model
+    from helpers import MIXER_CASES, STEP_CASES, distinct_mixers, kernel_beside_reference, step_inputs, tiny_model
 
     if modeling.fused_aaren_step is None:
         pytest.skip("aaren_hf.kernels is not importable")
@@ -902,10 +903,8 @@ def test_aaren_step_kernel_equals_the_pytorch_step(case, monkeypatch):
     monkeypatch.setattr(modeling, "fused_scan_inputs", None)
     model = tiny_model(chunk_size=16, **MIXER_CASES.get(case, {}), **STEP_CASES.get(case, {}))
     x, mask, pos = step_inputs(model, 14, [slice(0, 4), slice(8, 10)])
-    for layer in model.model.layers:
-        if layer.mixer.aaren_branch:
-            kernel_beside_reference(layer.mixer, x, mask, pos, monkeypatch, "fused_aaren_step",
-                                    rounded=("aaren_o", "aaren_lse"))
+    for mixer in distinct_mixers(model, lambda mixer: mixer.aaren_branch):
+        kernel_beside_reference(mixer, x, mask, pos, monkeypatch, "fused_aaren_step", rounded=("aaren_o", "aaren_lse"))
 
 
 @needs_triton
@@ -915,7 +914,7 @@ def test_aaren_step_kernel_in_a_16_bit_model(dtype, monkeypatch):
     memory ranked by a learned score): the output to 16-bit rounding, the Aaren state to float32 rounding, the rest
     bit for bit."""
     import aaren_hf.modeling_aaren as modeling
-    from helpers import STEP_CASES, kernel_beside_reference, step_inputs, tiny_model
+    from helpers import STEP_CASES, distinct_mixers, kernel_beside_reference, step_inputs, tiny_model
 
     if modeling.fused_aaren_step is None:
         pytest.skip("aaren_hf.kernels is not importable")
@@ -923,8 +922,8 @@ def test_aaren_step_kernel_in_a_16_bit_model(dtype, monkeypatch):
     monkeypatch.setattr(modeling, "fused_scan_inputs", None)  # the reference's scores and decay by PyTorch
     model = tiny_model(chunk_size=16, **STEP_CASES["default_like_d64"]).to(dtype)
     x, mask, pos = step_inputs(model, 12, [slice(0, 4)])
-    for layer in model.model.layers:
-        kernel_beside_reference(layer.mixer, x.to(dtype), mask, pos, monkeypatch, "fused_aaren_step",
+    for mixer in distinct_mixers(model):
+        kernel_beside_reference(mixer, x.to(dtype), mask, pos, monkeypatch, "fused_aaren_step",
                                 rounded=("aaren_o", "aaren_lse"), tol=1e-2)
 
 
