@@ -36,6 +36,13 @@ from helpers import (
 ATOL = 1e-4
 
 
+def assert_grads_close(got, want):
+    """The same parameters have gradients, each within 1e-4 of the reference's norm (sums taken in another order)."""
+    assert got.keys() == want.keys()
+    for name, grad in want.items():
+        assert (got[name] - grad).norm() <= 1e-4 * grad.norm() + 1e-6, name
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Parallel forward == token-by-token decoding
 # ---------------------------------------------------------------------------------------------------------------
@@ -347,9 +354,7 @@ def test_torch_compile_of_a_training_forward_gives_eagers_logits_and_gradients(c
     torch._dynamo.reset()
     (eager, eager_grads), (compiled, compiled_grads) = results
     torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=0)
-    assert compiled_grads.keys() == eager_grads.keys()
-    for name, grad in eager_grads.items():
-        assert (compiled_grads[name] - grad).norm() <= 1e-4 * grad.norm() + 1e-6, name
+    assert_grads_close(compiled_grads, eager_grads)
 
 
 @pytest.mark.parametrize("case", ["decay_input", "memory_int4_hadamard", "memory_shared", "gemma_block"])
@@ -400,9 +405,7 @@ def test_the_gpu_path_run_on_a_cpu_equals_the_cpu_path(case, monkeypatch):
     assert bool(mixed) == (modeling.fused_chunk_aaren_mixed is not None and model.config.num_query_slots > 1)
     torch.testing.assert_close(gpu, cpu, atol=ATOL, rtol=0)
     torch.testing.assert_close(gpu_steps, cpu_steps, atol=ATOL, rtol=0)
-    assert gpu_grads.keys() == cpu_grads.keys()
-    for name, grad in cpu_grads.items():
-        assert (gpu_grads[name] - grad).norm() <= 1e-4 * grad.norm() + 1e-6, name
+    assert_grads_close(gpu_grads, cpu_grads)
 
 
 @pytest.mark.parametrize("memory_bits", [None, 4])
@@ -443,9 +446,7 @@ def test_the_window_kernel_equals_the_pytorch_window_attention(memory_bits, monk
     torch.testing.assert_close(logits, want, atol=ATOL, rtol=0)
     torch.testing.assert_close(pieces, want_pieces, atol=ATOL, rtol=0)
     torch.testing.assert_close(pieces, want, atol=ATOL, rtol=0)
-    assert grads.keys() == want_grads.keys()
-    for name, grad in want_grads.items():
-        assert (grads[name] - grad).norm() <= 1e-4 * grad.norm() + 1e-6, name
+    assert_grads_close(grads, want_grads)
 
 
 @pytest.mark.parametrize("case", ["paper", "slots3", "decay_input", "gqa_slots_window", "memory_gate_input_decay",
