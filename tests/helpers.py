@@ -304,13 +304,15 @@ def recording(fn, ran: list):
 
 
 def distinct_mixers(model, where=lambda mixer: True):
-    """The model's mixers (those ``where`` says), one per layer configuration: layers alike but for their weights
-    run a kernel's code the same way on the same shapes, and in Triton's interpreter each costs seconds."""
+    """The model's mixers (those ``where`` says), one per distinct set of settings and buffers (all of a mixer but
+    its weights and layer index): layers alike but for their weights run a kernel's code the same way on the same
+    shapes, and in Triton's interpreter each costs seconds. (The index only places a layer before, at or after
+    ``memory_shared_layer``, which matters where a shared score is passed: :func:`kernel_beside_reference` passes
+    none.)"""
     mixers = {}
     for mixer in (layer.mixer for layer in model.model.layers):
-        rope = getattr(mixer, "rope_inv_freq", None)
-        key = (mixer.aaren_branch, mixer.window, mixer.num_sinks, mixer.memory_size,
-               None if rope is None else tuple(rope.tolist()))
+        settings = {name: v for name, v in vars(mixer).items() if not name.startswith("_") and name != "layer_idx"}
+        key = repr((settings, {name: b.tolist() for name, b in mixer.named_buffers()}))
         if where(mixer):
             mixers.setdefault(key, mixer)
     return list(mixers.values())
