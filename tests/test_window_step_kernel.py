@@ -96,7 +96,8 @@ def test_triton_step_ranks_and_shares_retention_as_the_pytorch_step(monkeypatch)
     model = tiny_model(chunk_size=16, **MIXER_CASES["memory_shared"], num_hidden_layers=3)
     with torch.no_grad():
         model.model.layers[0].mixer.retention_proj.weight.mul_(40)
-    ids = torch.randint(3, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(4))
+    T, P = 16, 4  # tokens, of which the prompt
+    ids = torch.randint(3, model.config.vocab_size, (2, T), generator=torch.Generator().manual_seed(4))
     served = []
     counted = recording(modeling.fused_window_step, served)
     runs = {}
@@ -104,10 +105,10 @@ def test_triton_step_ranks_and_shares_retention_as_the_pytorch_step(monkeypatch)
         monkeypatch.setattr(modeling, "fused_window_step", step)
         cache = AarenCache(model.config)
         with torch.no_grad():
-            logits = [model(ids[:, :4], past_key_values=cache, use_cache=True).logits]
-            logits += [model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits for t in range(4, 16)]
+            logits = [model(ids[:, :P], past_key_values=cache, use_cache=True).logits]
+            logits += [model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits for t in range(P, T)]
         runs[name] = torch.cat(logits, 1), [layer.tensors() for layer in cache.layers]
-    assert len(served) == 12 * 3 and all(served)
+    assert len(served) == (T - P) * model.config.num_hidden_layers and all(served)
     torch.testing.assert_close(runs["kernel"][0], runs["pytorch"][0], atol=1e-4, rtol=1e-4)
     for i, (got, want) in enumerate(zip(runs["kernel"][1], runs["pytorch"][1])):
         assert got.keys() == want.keys()
