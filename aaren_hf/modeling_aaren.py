@@ -598,7 +598,8 @@ def window_attention(q, k, v, pos, k_prev, v_prev, pos_prev, sink_k, sink_v, sin
         # sinks are seen from position c = min(p, S + W - 1), by queries rotated there, so their scores are not
         # q . k: computed apart, they ride in S more query dimensions, which only the S sink keys read (one-hot
         # there)
-        scores = _sink_scores(qp, qpos.reshape(B, Tp), sink_k, W, rotary, attend)
+        # float16 queries hold the float32 scores saturated (finite beyond its range, not inf)
+        scores = to_cache(_sink_scores(qp, qpos.reshape(B, Tp), sink_k, W, rotary, attend), attend)
         qw[..., D:D + S] = scores.view(B, nblk, Q, Hkv, G, S).permute(0, 1, 3, 4, 2, 5)
         rows.append(arange(B * Hkv * S).view(B, 1, Hkv, S) + sum(part.shape[0] for part in table_k))
         table_k.append(F.pad(torch.eye(S, device=q.device, dtype=attend), (D, Dx - D - S)).repeat(B * Hkv, 1))
@@ -736,10 +737,11 @@ def _sink_scores(q, qpos, sink_k, window, rotary, attend):
     """Scores [B, T, Hkv, G, S] of queries q [B, T, H, D] (not rotated) at qpos [B, T] against the S sinks, each query
     rotated to c = min(p, S + W - 1) (:func:`window_attention`): <R(c) q, k> = <q, R(-c) k>, so the sink keys are
     turned back by each of the S + W values of c (a few rows), one of them per query, rather than every query rotated
-    a second time. The keys are turned in the dtype the scores take where they are stored in it (a 16-bit cache on a
-    GPU): rotation computes in float32 and rounds once, as the float32 turn and its cast did (the same scores and
-    query gradients bit for bit; the sink keys' gradient is rounded to 16 bits before the sum over the S + W copies,
-    not after), without the casts (four operators in a train step, and half the bytes of the copies)."""
+    a second time. The keys are turned in the attention's dtype where the cache stores them in it (16 bits on a GPU):
+    rotation computes in float32 and rounds once, as the float32 turn and its cast did (the same keys and query
+    gradients bit for bit; the sink keys' gradient is rounded to 16 bits before the sum over the S + W copies, not
+    after), without the casts (four operators in a train step, and half the bytes of the copies). The scores are
+    float32 (:class:`_SinkScores`)."""
     B, T, H, D = q.shape
     S, Hkv, W = sink_k.shape[1], sink_k.shape[2], window
     arange = partial(torch.arange, device=q.device)
@@ -751,10 +753,14 @@ def _sink_scores(q, qpos, sink_k, window, rotary, attend):
 
 
 class _SinkScores(torch.autograd.Function):
-    """matmul(q [B, T, Hkv, G, D], each query's sink keys, row ``rows`` of ``turned`` [B (S + W), S, Hkv, D]) as
-    autograd computes it, forward and backward, the same operators bit for bit, but backward gathers the keys again
+    """matmul(q [B, T, Hkv, G, D], each query's sink keys, row ``rows`` of ``turned`` [B (S + W), S, Hkv, D]) in
+    float32, as autograd computes it, forward and backward, the same operators, but backward gathers the keys again
     from the S + W turned rows of each sequence rather than keeping every query's copy ([B, T, S, Hkv, D]: as many
-    bytes as the keys of the piece, for each sink)."""
+    bytes as the keys of the piece, for each sink). Float32 from 16-bit q and keys (a GPU's): these scores are not
+    yet scaled, and float16 overflowed to inf from 65504 (a scaled score of 8,188 at D = 64; the window's own scores,
+    scaled in the kernels' float32 accumulators, do not), which made the softmax NaN; the products are exact and the
+    sums as the kernels' float32 accumulators keep them, the keys' gradient summed over the queries in float32 too.
+    A float32 q (a CPU's) computes as before, bit for bit."""
 
     @staticmethod
     def _folded_keys(q, turned, rows):
@@ -768,7 +774,8 @@ class _SinkScores(torch.autograd.Function):
     def forward(ctx, q, turned, rows):
         ctx.save_for_backward(q, turned, rows)
         B, T, Hkv, G, D = q.shape
-        return torch.bmm(q.reshape(-1, G, D), _SinkScores._folded_keys(q, turned, rows)).view(B, T, Hkv, G, -1)
+        keys = _SinkScores._folded_keys(q, turned, rows).float()
+        return torch.bmm(q.reshape(-1, G, D).float(), keys).view(B, T, Hkv, G, -1)
 
     @staticmethod
     def backward(ctx, grad):
@@ -778,11 +785,12 @@ class _SinkScores(torch.autograd.Function):
         grad = grad.reshape(-1, G, S)
         dq = dturned = None
         if ctx.needs_input_grad[0]:
-            dq = torch.bmm(grad, _SinkScores._folded_keys(q, turned, rows).transpose(1, 2)).view(q.shape)
+            keys = _SinkScores._folded_keys(q, turned, rows).float()
+            dq = torch.bmm(grad, keys.transpose(1, 2)).view(q.shape).to(q.dtype)
         if ctx.needs_input_grad[1]:
-            dkeys = torch.bmm(q.reshape(-1, G, D).transpose(1, 2), grad).view(B, T, Hkv, D, S)
-            dkeys = dkeys.permute(0, 1, 4, 2, 3).to(turned.dtype).reshape(B * T, S, Hkv, D)
-            dturned = turned.new_zeros(turned.shape).index_add_(0, rows, dkeys)
+            dkeys = torch.bmm(q.reshape(-1, G, D).transpose(1, 2).float(), grad).view(B, T, Hkv, D, S)
+            dkeys = dkeys.permute(0, 1, 4, 2, 3).reshape(B * T, S, Hkv, D)
+            dturned = dkeys.new_zeros(turned.shape).index_add_(0, rows, dkeys).to(turned.dtype)
         return dq, dturned, None
 
 

@@ -988,7 +988,7 @@ for c in (dict(H=9, HKV=3, G=3, J=4, BJ=4, D=64, BD=64, BT=32, MIX=True, DECAY=1
     aot(scores._scores_bwd_kernel, dict(sig, mix=P, ds=P, dmix=P, dg=P, dq=B, dk=B, dqueries=P, dlog_decay=P,
                                         ddecay_in=B), c, num_warps=4, num_stages=1)
 I = "*i64"
-common = dict(q=B, qpos=I, cos=P, sin=P, ks=B, vs=B, spos=I, mk=B, mv=B, evict=I, last=I, idx=I, counts=I, sink_s=B,
+common = dict(q=B, qpos=I, cos=P, sin=P, ks=B, vs=B, spos=I, mk=B, mv=B, evict=I, last=I, idx=I, counts=I, sink_s=P,
               sink_v=B, sink_pos=I, lse=P, T="i32", Ls="i32", P0="i32", W="i32", C="i32", K="i32", NB="i32",
               scale="fp32")
 for c in (dict(H=9, HKV=3, S=1, D=64, BD=64, BQ=64, BK=64, HAS_MEM=True, DOT_PREC="tf32", ROT=64),
@@ -996,7 +996,7 @@ for c in (dict(H=9, HKV=3, S=1, D=64, BD=64, BQ=64, BK=64, HAS_MEM=True, DOT_PRE
     aot(window_chunk._window_fwd_kernel, dict(common, o=B), c, enable_fp_fusion=False)
     for mixed, rows in ((False, False), (True, True), (True, False)):
         aot(window_chunk._window_bwd_kernel, dict(common, do=B, o=B, diff=B, mw=B, da=B, dmw=B if rows else P,
-                                                  dq=B, dks=P, dvs=P, dmk=P, dmv=P, dsink_s=B, dsink_v=P),
+                                                  dq=B, dks=P, dvs=P, dmk=P, dmv=P, dsink_s=P, dsink_v=P),
             dict(c, MIXED=mixed, MW_ROWS=rows), enable_fp_fusion=False)
 sig = dict(q=B, k=B, v=B, pos=I, cos_t=P, sin_t=P, cos_s=P, sin_s=P, retention=B, shared=P, out=B, aaren_o=B, gate=B,
            gate_b="i32", win_k=B, win_v=B, win_pos=I, win_score=P, sink_k=B, sink_v=B, sink_pos=I, mem_k="*u8",

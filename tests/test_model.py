@@ -756,9 +756,10 @@ def test_mixer_matches_brute_force_reference(case):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sink_scores_keep_no_copy_of_the_keys_per_query(dtype):
     """_SinkScores against the autograd expression it stands for (gather each query's row of turned sink keys, then
-    matmul): output and both gradients bit for bit (the CPU's float32 conversion depends on it), in float32 and with
-    bfloat16 queries and keys (a 16-bit model on a GPU); and it keeps for backward only its inputs, not the
-    gathered [B, T, S, Hkv, D] keys autograd keeps. Every row is read, one several times (rows repeat)."""
+    matmul in float32): output and both gradients bit for bit (the CPU's float32 conversion depends on it), in float32
+    and with bfloat16 queries and keys (a 16-bit model on a GPU: float32 scores, gradients in the inputs' dtype); and
+    it keeps for backward only its inputs, not the gathered [B, T, S, Hkv, D] keys autograd keeps. Every row is
+    read, one several times (rows repeat)."""
     from aaren_hf.modeling_aaren import _SinkScores
 
     g = torch.Generator().manual_seed(4)
@@ -768,18 +769,19 @@ def test_sink_scores_keep_no_copy_of_the_keys_per_query(dtype):
     rows = (torch.randint(0, S + W, (B, T), generator=g) + torch.arange(0, B * (S + W), S + W).view(B, 1)).flatten()
     rows[: S + W] = torch.arange(S + W)
     rows[T: T + S + W] = torch.arange(S + W, 2 * (S + W))
-    weight = torch.randn(B, T, Hkv, G, S, generator=g).to(dtype)
+    weight = torch.randn(B, T, Hkv, G, S, generator=g)
     results, saved = [], []
     for scores in (lambda: _SinkScores.apply(q, turned, rows),
-                   lambda: torch.matmul(q, turned.index_select(0, rows).view(B, T, S, Hkv, D).permute(0, 1, 3, 4, 2))):
+                   lambda: torch.matmul(q.float(), turned.float().index_select(0, rows).view(B, T, S, Hkv, D)
+                                        .permute(0, 1, 3, 4, 2))):
         q.grad = turned.grad = None
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
             out = scores()
         (out * weight).sum().backward()
         results.append((out.detach(), q.grad, turned.grad))
         saved.append(None)
-    for got, want in zip(*results):
-        assert got.dtype == dtype and torch.equal(got, want)
+    for got, want, want_dtype in zip(*results, (torch.float32, dtype, dtype)):
+        assert got.dtype == want_dtype and torch.equal(got, want)
     assert (turned.grad.flatten(1).abs().amax(1) > 0).all()  # every row was read
     mine, autograd = saved[:saved.index(None)], saved[saved.index(None) + 1:-1]
     assert sum(mine) == q.numel() + turned.numel() + rows.numel()
@@ -1269,6 +1271,49 @@ def test_float16_cache_saturates_instead_of_overflowing():
     assert all(torch.isfinite(t).all() for layer in cache.layers for n, t in layer.tensors().items() if "_v" in n)
 
 
+@pytest.mark.parametrize("window_kernel", [True, False])
+def test_float16_sink_scores_past_its_range_stay_finite_as_a_gpu_runs_them(window_kernel, monkeypatch):
+    """On a GPU a float16 model attends in float16 (``_attention_dtype``), and the sinks' scores are computed apart
+    from the window's, before the scale (``_sink_scores``): held in float16 they overflowed to inf from 65504 (a
+    scaled score of 8,188 at D = 64) and the softmax made the logits NaN. Queries and keys scaled until the sinks'
+    scores pass that; as a GPU runs the model (Triton's interpreter): with the window kernel, training and a prefill
+    followed by decode steps give the CPU path's logits (float32 attention) to float16's rounding, and finite
+    gradients; without it (the PyTorch path, whose float16 queries hold the scores saturated) finite ones."""
+    if modeling.fused_window_attention is None or not triton_available():
+        pytest.skip("needs triton and aaren_hf.kernels")
+    scores = []
+    sink_scores = modeling._sink_scores
+    monkeypatch.setattr(modeling, "_sink_scores", lambda *a: scores.append(sink_scores(*a)) or scores[-1])
+    model = tiny_model(chunk_size=16, window_size=4, num_sink_tokens=1)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mixer.q_proj.weight.mul_(100)
+            layer.mixer.k_proj.weight.mul_(100)
+    model.half()
+    ids = random_ids(2, 21, seed=3)
+    logits = {}
+    for path in ("cpu", "gpu"):
+        with monkeypatch.context() as m:
+            if path == "gpu":
+                m.setenv("TRITON_INTERPRET", "1")
+                m.setattr(modeling, "launch_bound", lambda device: True)
+                if not window_kernel:
+                    m.setattr(modeling, "fused_window_attention", None)
+            model.zero_grad()
+            out = model(ids, use_cache=False).logits
+            out.float().square().sum().backward()
+            assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None), path
+            logits[path] = out.detach().float()
+            if path == "gpu" and window_kernel:
+                with torch.no_grad():
+                    logits["steps"] = incremental_logits(model, ids, (15,)).float()
+    assert max(s.abs().max() for s in scores) > 65504  # float16's largest
+    assert torch.isfinite(logits["gpu"]).all()
+    if window_kernel:
+        torch.testing.assert_close(logits["gpu"], logits["cpu"], atol=1e-2, rtol=0)
+        torch.testing.assert_close(logits["steps"], logits["cpu"], atol=1e-2, rtol=0)
+
+
 @pytest.mark.parametrize("with_decay", [False, True])
 @pytest.mark.parametrize("score_range", [3.0, 1000.0])
 def test_scan_ops_match_brute_force(with_decay, score_range):
@@ -1635,9 +1680,10 @@ def test_16_bit_sigmoid_is_the_float32_sigmoid_rounded(dtype):
 
 
 def test_sink_scores_turn_16_bit_keys_as_float32_turns_rounded():
-    """``_sink_scores`` turns bf16 sink keys back in bf16 (a 16-bit cache on a GPU): the scores and the queries'
-    gradients are the bits of turning float32 copies and casting them, the keys' gradient within bf16 rounding of
-    that (it is rounded before the sum over the copies); with partial rotary, GQA, a query inside the first S + W."""
+    """``_sink_scores`` turns bf16 sink keys back in bf16 (a 16-bit cache on a GPU): the scores (float32) and the
+    queries' gradients are the bits of turning float32 copies and casting them, the keys' gradient within bf16
+    rounding of that (it is rounded before the sum over the copies); with partial rotary, GQA, a query inside the
+    first S + W."""
     gen = torch.Generator().manual_seed(0)
     B, T, H, Hkv, D, S, W = 2, 30, 6, 2, 32, 2, 8
     q = torch.randn(B, T, H, D, generator=gen).bfloat16().requires_grad_()
@@ -1649,8 +1695,8 @@ def test_sink_scores_turn_16_bit_keys_as_float32_turns_rounded():
     turned = rotary.turn_back(sink_k.float().unsqueeze(1).expand(B, S + W, S, Hkv, D).reshape(B, S + W, S * Hkv, D))
     c = pos.clamp(max=S + W - 1) + torch.arange(0, B * (S + W), S + W).view(B, 1)
     keys = turned.reshape(B * (S + W), S, Hkv, D).index_select(0, c.flatten()).view(B, T, S, Hkv, D).bfloat16()
-    want = torch.matmul(q.view(B, T, Hkv, H // Hkv, D), keys.permute(0, 1, 3, 4, 2))
-    assert torch.equal(got, want)
+    want = torch.matmul(q.view(B, T, Hkv, H // Hkv, D).float(), keys.float().permute(0, 1, 3, 4, 2))
+    assert got.dtype == torch.float32 and torch.equal(got, want)
     grads = [torch.autograd.grad(out.float().square().sum(), [q, sink_k]) for out in (got, want)]
     assert torch.equal(grads[0][0], grads[1][0])
     torch.testing.assert_close(grads[0][1], grads[1][1], rtol=1e-2, atol=1e-2 * float(grads[1][1].abs().max()))
