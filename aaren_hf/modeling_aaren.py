@@ -768,14 +768,13 @@ class _SinkScores(torch.autograd.Function):
         B, T, Hkv, G, D = q.shape
         S = turned.shape[1]
         keys = turned.index_select(0, rows).view(B, T, S, Hkv, D).to(q.dtype).permute(0, 1, 3, 4, 2)
-        return keys.reshape(B * T * Hkv, D, S)
+        return keys.reshape(B * T * Hkv, D, S).float()
 
     @staticmethod
     def forward(ctx, q, turned, rows):
         ctx.save_for_backward(q, turned, rows)
         B, T, Hkv, G, D = q.shape
-        keys = _SinkScores._folded_keys(q, turned, rows).float()
-        return torch.bmm(q.reshape(-1, G, D).float(), keys).view(B, T, Hkv, G, -1)
+        return torch.bmm(q.reshape(-1, G, D).float(), _SinkScores._folded_keys(q, turned, rows)).view(B, T, Hkv, G, -1)
 
     @staticmethod
     def backward(ctx, grad):
@@ -785,8 +784,7 @@ class _SinkScores(torch.autograd.Function):
         grad = grad.reshape(-1, G, S)
         dq = dturned = None
         if ctx.needs_input_grad[0]:
-            keys = _SinkScores._folded_keys(q, turned, rows).float()
-            dq = torch.bmm(grad, keys.transpose(1, 2)).view(q.shape).to(q.dtype)
+            dq = torch.bmm(grad, _SinkScores._folded_keys(q, turned, rows).transpose(1, 2)).view(q.shape).to(q.dtype)
         if ctx.needs_input_grad[1]:
             dkeys = torch.bmm(q.reshape(-1, G, D).transpose(1, 2).float(), grad).view(B, T, Hkv, D, S)
             dkeys = dkeys.permute(0, 1, 4, 2, 3).reshape(B * T, S, Hkv, D)

@@ -310,11 +310,9 @@ def distinct_mixers(model, where=lambda mixer: True):
     ``memory_shared_layer``, which matters where a shared score is passed: :func:`kernel_beside_reference` passes
     none.)"""
     mixers = {}
-    for mixer in (layer.mixer for layer in model.model.layers):
+    for mixer in (layer.mixer for layer in model.model.layers if where(layer.mixer)):
         settings = {name: v for name, v in vars(mixer).items() if not name.startswith("_") and name != "layer_idx"}
-        key = repr((settings, {name: b.tolist() for name, b in mixer.named_buffers()}))
-        if where(mixer):
-            mixers.setdefault(key, mixer)
+        mixers.setdefault(repr((settings, {name: b.tolist() for name, b in mixer.named_buffers()})), mixer)
     return list(mixers.values())
 
 
