@@ -10,7 +10,8 @@ For each memory size M (tokens per KV head, beside 1 sink and the student's wind
   beyond-window attention; stage 2 keeps it frozen). This isolates the selection rule from the Aaren state and from
   stage 2: if it does not recall at M, no training of the rest will make the student recall at M;
 - ``student``: the converted model itself, its memory resized to M (the memory is read by the same softmax at any M,
-  so a larger M is a valid what-if; the model was trained at its own M).
+  so a larger M is a valid what-if; the model was trained at its own M). M = 0 is the student without its memory
+  (and without sharing one across layers); the learned row, with nothing to rank, is left out there.
 
 The teacher with its full KV cache is the ceiling. Everything is teacher-forced greedy exact match, as in
 ``aaren-convert eval`` (:func:`aaren_hf.conversion.evaluate.recall_probe`), with held-out text as filler.
@@ -38,7 +39,7 @@ from pathlib import Path
 import torch
 
 from aaren_hf.conversion.cli import MEMORY_BITS_FLAGS, layer_or_none, memory_bits_from_flag
-from aaren_hf.conversion.recipes import default_memory_hadamard
+from aaren_hf.conversion.recipes import defaults_implied_by
 from aaren_hf.modeling_aaren import round_retention
 
 
@@ -49,14 +50,20 @@ def _ints(text: str) -> list[int]:
     return values
 
 
+def with_implied(base: dict, given: dict) -> dict:
+    """``base`` with the settings ``given`` and what they imply for the rest, as aaren-convert applies its flags (a
+    memory of 0 takes its sharing across layers with it, codes of other bits their own rotation default)."""
+    return {**base, **defaults_implied_by(given), **given}
+
+
 def _learned_retention_teacher(teacher, student_dir: Path, mixer: dict, memory: int):
     """The teacher as sliding-window layers with the memory tier and the student's fitted retention score."""
     from safetensors import safe_open
 
     from aaren_hf.conversion.convert import build_student
 
-    options = {**mixer, "memory_size": memory, "memory_rule": "learned", "convert_layers": "none"}
-    model = build_student(teacher, options).eval()
+    given = {"memory_size": memory, "memory_rule": "learned", "convert_layers": "none"}
+    model = build_student(teacher, with_implied(mixer, given)).eval()
     params = dict(model.named_parameters())
     with safe_open(student_dir / "model.safetensors", "pt") as f:
         names = [k for k in f.keys() if ".retention_proj." in k]
@@ -154,8 +161,6 @@ def main() -> None:
         override["memory_bits"] = memory_bits_from_flag(args.memory_bits)
     if args.memory_hadamard is not None:
         override["memory_hadamard"] = args.memory_hadamard == "on"
-    elif args.memory_bits is not None:
-        override["memory_hadamard"] = default_memory_hadamard(override["memory_bits"])
 
     from transformers import AutoModelForCausalLM
 
@@ -202,18 +207,19 @@ def main() -> None:
         for memory in args.memory_sizes:
             if "tova" in rows:
                 results.append(probe("teacher + TOVA", retention_baseline(teacher, sinks, window, memory), memory))
-            if "learned" in rows:
+            if "learned" in rows and memory > 0:  # without a memory there is nothing to rank: TOVA's row
                 model = _learned_retention_teacher(teacher, model_dir, mixer, memory)
                 results.append(probe("teacher + learned retention", model, memory))
                 del model
             if "student" in rows:
-                student = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                               memory_size=memory, **override).eval()
+                at_memory = with_implied({}, {**override, "memory_size": memory})
+                student = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **at_memory).eval()
                 results.append(probe("student", student, memory))
                 del student
     ranks = None
     if args.ranks:
-        student = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **override).eval()
+        student = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                       **with_implied({}, override)).eval()
         memory = [layer.mixer.memory_size for layer in student.model.layers]
         ranks = key_ranks(student, tokenizer, filler.reshape(-1).tolist(), args.distances, args.trials or 10,
                           options["seed"])
@@ -237,8 +243,8 @@ def main() -> None:
         base = perplexity(teacher, long, batch_size=1)["ppl"]
         print(f"| teacher (full KV cache) | | {base:.3f} | 1.00x | | | |", flush=True)
         for memory in args.memory_sizes:
-            student = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, memory_size=memory,
-                                                           **override).eval()
+            at_memory = with_implied({}, {**override, "memory_size": memory})
+            student = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **at_memory).eval()
             equal = equal_memory_window(student.config, teacher.config, sinks, _kv_dtype(student))
             ppl = perplexity(student, long, batch_size=1)["ppl"]
             del student

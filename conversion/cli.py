@@ -128,12 +128,13 @@ def convert_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-query-slots", type=_int(1, 256), metavar="J", help="learned queries per head (1: paper)")
     g.add_argument("--decay", choices=("none", "fixed", "learned", "input"), help="recency decay of the state")
     g.add_argument("--window-size", type=_int(0, 1 << 20), metavar="W",
-                   help="softmax window branch over the last W tokens (0: none)")
+                   help="softmax window branch over the last W tokens (0: none, and then no sinks or memory unless "
+                        "given)")
     g.add_argument("--num-sink-tokens", type=_int(0, 1024), metavar="S",
                    help="first S tokens kept visible to the window branch (needs --window-size > 0)")
     g.add_argument("--memory-size", type=_int(0, 1 << 16), metavar="M",
                    help="exact-memory tier: per KV head, M tokens kept after they leave the window (needs "
-                        "--window-size > 0; 0: none)")
+                        "--window-size > 0; 0: none, and then no --memory-shared-layer unless given)")
     g.add_argument("--memory-shared-layer", type=layer_or_none, metavar="L",
                    help="the layers after layer L also keep in their memory what layer L's retention score ranks "
                         "high ('none': every layer on its own; the smollm2-135m recipe: 6)")
@@ -256,7 +257,7 @@ def options_from_args(args, parser):
         parser.error("give --recipe NAME (see `aaren-convert recipes`) or --teacher NAME_OR_PATH")
     if args.resume and args.overwrite:
         parser.error("--resume continues an interrupted run and --overwrite discards it: give one of them")
-    from .recipes import RECIPES, default_memory_hadamard
+    from .recipes import RECIPES
 
     if args.recipe is not None:
         if args.recipe not in RECIPES:
@@ -294,8 +295,6 @@ def options_from_args(args, parser):
         eval_windows=args.eval_windows, recall_trials=args.recall_trials, recall_distances=args.recall_distances,
         recall_fraction=args.recall_fraction, long_seq_len=args.long_seq_len,
     )
-    if args.memory_hadamard is None and args.memory_bits is not None:  # the recipe's rotation was for its own bits
-        opts.mixer = {**opts.mixer, "memory_hadamard": default_memory_hadamard(opts.mixer["memory_bits"])}
     opts.resume, opts.overwrite, opts.keep_work = args.resume, args.overwrite, args.keep_work
     opts.eval, opts.eval_quick = not args.no_eval, args.quick_eval
     opts.progress, opts.cpu = not args.no_progress, args.cpu
@@ -330,6 +329,9 @@ def validate_options(opts, parser) -> None:
     if m.get("num_sink_tokens", 0) > 0 and m.get("window_size", 0) == 0:
         parser.error(f"--num-sink-tokens {m['num_sink_tokens']} needs the window branch: give --window-size > 0 "
                      "as well, or --num-sink-tokens 0")
+    if m.get("memory_shared_layer") is not None and m.get("memory_size", 0) == 0:
+        parser.error(f"--memory-shared-layer {m['memory_shared_layer']} shares a layer's memory, but there is none "
+                     "(--memory-size 0): give --memory-shared-layer none as well, or --memory-size > 0")
     if m.get("window_size", 0) + m.get("num_sink_tokens", 0) > opts.seq_len * 64:
         parser.error("--window-size is far beyond --seq-len; the window branch would never be full")
     if opts.init_windows > opts.train_windows:

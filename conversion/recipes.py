@@ -24,14 +24,29 @@ from pathlib import Path
 
 from .data import _hub_reachable
 
-__all__ = ["Budget", "DEFAULT_MIXER", "GEMMA3_MIXER", "RECIPES", "Recipe", "default_memory_hadamard", "get_recipe",
-           "list_recipes"]
+__all__ = ["Budget", "DEFAULT_MIXER", "GEMMA3_MIXER", "RECIPES", "Recipe", "default_memory_hadamard",
+           "defaults_implied_by", "get_recipe", "list_recipes"]
 
 
 def default_memory_hadamard(memory_bits) -> bool:
     """Whether memory codes are rotated when no one said: at 4 bits, where plain codes lose most (docs/aaren_math.md,
     section 4); not at 8, where the rotation gains nothing measurable and costs decode time."""
     return memory_bits == 4
+
+
+def defaults_implied_by(mixer: dict) -> dict:
+    """The settings a mixer override implies for those it leaves to the recipe: a window of 0 takes the recipe's
+    sinks and memory with it (both live in the window branch), a memory of 0 its sharing across layers, and codes of
+    other bits bring their own rotation default. Kept, the recipe's settings for a tier the override removed would
+    only make the student's config refuse them; what the override names itself still wins."""
+    implied = {}
+    if mixer.get("window_size") == 0:
+        implied.update(num_sink_tokens=0, memory_size=0)
+    if mixer.get("memory_size", implied.get("memory_size")) == 0:
+        implied["memory_shared_layer"] = None
+    if "memory_bits" in mixer:
+        implied["memory_hadamard"] = default_memory_hadamard(mixer["memory_bits"])
+    return implied
 
 
 DEFAULT_MIXER = {
@@ -83,15 +98,17 @@ class Recipe:
     notes: str = ""
 
     def aaren_config(self, teacher_config, **overrides):
-        """AarenConfig for ``teacher_config`` with this recipe's mixer options (``overrides`` win)."""
+        """AarenConfig for ``teacher_config`` with this recipe's mixer options (``overrides`` and what they imply
+        win)."""
         from .adapters import aaren_config_from_teacher
 
-        return aaren_config_from_teacher(teacher_config, **{**self.mixer, **overrides})
+        mixer = {**self.mixer, **defaults_implied_by(overrides), **overrides}
+        return aaren_config_from_teacher(teacher_config, **mixer)
 
     def replace(self, **changes) -> "Recipe":
         """A copy with some fields changed; ``mixer`` and ``budget`` may be given as partial dicts."""
         if isinstance(changes.get("mixer"), dict):
-            changes["mixer"] = {**self.mixer, **changes["mixer"]}
+            changes["mixer"] = {**self.mixer, **defaults_implied_by(changes["mixer"]), **changes["mixer"]}
         if isinstance(changes.get("budget"), dict):
             changes["budget"] = dataclasses.replace(self.budget, **changes["budget"])
         return dataclasses.replace(self, **changes)

@@ -7,8 +7,11 @@ folder (installed as ``aaren_hf.kernels``) shadows the Hugging Face ``kernels`` 
 probes by importing it; that import goes back into ``aaren_hf`` and fails if ``transformers`` is only half imported.
 """
 
+import contextlib
 import itertools
 import math
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -84,6 +87,34 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# The cache folder the suite started with, read on import, before any fixture points AAREN_HF_CACHE elsewhere.
+SUITE_CACHE = Path(os.environ.get("AAREN_HF_CACHE") or Path.home() / ".cache" / "aaren_hf").expanduser()
+
+
+def fresh_cache(root: Path) -> Path:
+    """A new AAREN_HF_CACHE folder for what a test keeps apart (token caches, unpacked assets) whose C kernel builds
+    are the suite's: a build takes a core 15-20 s, once per folder, and the tests that check builds set their own."""
+    (SUITE_CACHE / "kernels").mkdir(parents=True, exist_ok=True)
+    root.mkdir(parents=True, exist_ok=True)
+    if not (root / "kernels").exists():
+        (root / "kernels").symlink_to(SUITE_CACHE / "kernels", target_is_directory=True)
+    return root
+
+
+@contextlib.contextmanager
+def cache_at(root: Path):
+    """AAREN_HF_CACHE set to :func:`fresh_cache` ``(root)`` inside the block, and back to what it was after."""
+    old = os.environ.get("AAREN_HF_CACHE")
+    os.environ["AAREN_HF_CACHE"] = str(fresh_cache(root))
+    try:
+        yield root
+    finally:
+        if old is None:
+            os.environ.pop("AAREN_HF_CACHE", None)
+        else:
+            os.environ["AAREN_HF_CACHE"] = old
 
 
 def bpe_tokenizer(text: str, chat_template: str = None):

@@ -371,6 +371,9 @@ def test_recipes_map_onto_their_families():
         get_recipe("nope")
     changed = get_recipe("gpt2").replace(mixer={"window_size": 16}, budget={"stage2_steps": 1})
     assert changed.mixer["window_size"] == 16 and changed.mixer["num_query_slots"] == 4
+    # a tier turned off takes the recipe's settings that live in it (as aaren-convert's flags do)
+    windowless = get_recipe("smollm2-135m").replace(mixer={"window_size": 0}).mixer
+    assert (windowless["num_sink_tokens"], windowless["memory_size"], windowless["memory_shared_layer"]) == (0, 0, None)
     assert changed.budget.stage2_steps == 1 and get_recipe("gpt2").budget.stage2_steps > 1
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +20,9 @@ import torch
 # `kernels/` folder is taken by transformers for the optional hub `kernels` package, and importing it first
 # (through aaren_hf) avoids a circular import inside transformers.
 import aaren_hf  # noqa: F401
-from helpers import one_thread  # noqa: F401  (autouse fixture)
+from helpers import SUITE_CACHE, cache_at, fresh_cache, one_thread  # noqa: F401  (one_thread: autouse fixture)
+
+ROOT = Path(__file__).resolve().parents[1]
 
 WORDS = [f"w{i}" for i in range(60)]
 
@@ -87,7 +91,7 @@ def tiny_options(teacher, data, output, **overrides):
 
 def cli_env(cache: Path) -> dict:
     env = dict(os.environ)
-    env["AAREN_HF_CACHE"] = str(cache)
+    env["AAREN_HF_CACHE"] = str(fresh_cache(cache))
     env["HF_HUB_OFFLINE"] = "1"
     # as `python -P`: the repository root on sys.path would make kernels/ a top-level `kernels` (docs/layout.md)
     env["PYTHONSAFEPATH"] = "1"
@@ -116,13 +120,8 @@ def tiny(tmp_path_factory):
     """(teacher folder, data folder); the token cache goes to a temporary AAREN_HF_CACHE (restored after this
     module, so other test files see the real cache)."""
     root = tmp_path_factory.mktemp("tiny")
-    old = os.environ.get("AAREN_HF_CACHE")
-    os.environ["AAREN_HF_CACHE"] = str(root / "cache")
-    yield make_tiny_teacher(root / "teacher"), make_corpus(root / "data")
-    if old is None:
-        os.environ.pop("AAREN_HF_CACHE", None)
-    else:
-        os.environ["AAREN_HF_CACHE"] = old
+    with cache_at(root / "cache"):
+        yield make_tiny_teacher(root / "teacher"), make_corpus(root / "data")
 
 
 @pytest.fixture(scope="module")
@@ -511,6 +510,8 @@ def test_console_script_entry_point():
     ([], "give --recipe NAME"),
     (["--teacher", "x", "--resume", "--overwrite"], "give one of them"),
     (["--teacher", "x", "--data", "./missing.txt"], "no such file or folder"),
+    (["--recipe", "smollm2-135m", "--memory-size", "0", "--memory-shared-layer", "6"], "--memory-shared-layer none"),
+    (["--recipe", "smollm2-135m", "--window-size", "0", "--num-sink-tokens", "1"], "or --num-sink-tokens 0"),
 ])
 def test_cli_bad_arguments(args, message, capsys):
     code, _, err = run_cli(args, capsys)
@@ -557,6 +558,78 @@ def test_cli_memory_bits():
     ids = torch.randint(1, 60, (1, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(plain(ids).logits, coded(ids).logits)
+
+
+def test_cli_turning_a_tier_off_takes_the_recipes_settings_that_live_in_it():
+    """A window of 0 takes the recipe's sinks and memory with it, a memory of 0 its sharing across layers; flags the
+    user gives still win (and conflict: test_cli_bad_arguments)."""
+    from aaren_hf.conversion.cli import convert_parser, options_from_args
+
+    parser = convert_parser()
+
+    def mixer(*flags):
+        return options_from_args(parser.parse_args(["--recipe", "smollm2-135m", *flags]), parser).mixer
+
+    recipe = mixer()
+    assert recipe["memory_size"] > 0 and recipe["num_sink_tokens"] > 0 and recipe["memory_shared_layer"] is not None
+    off = mixer("--window-size", "0")
+    assert [off[k] for k in ("window_size", "num_sink_tokens", "memory_size", "memory_shared_layer")] == [0, 0, 0, None]
+    no_memory = mixer("--memory-size", "0")
+    assert no_memory["memory_shared_layer"] is None and no_memory["num_sink_tokens"] == recipe["num_sink_tokens"]
+    assert mixer("--memory-size", "256")["memory_shared_layer"] == recipe["memory_shared_layer"]
+
+
+def readme_convert_commands() -> list:
+    """The arguments of every `aaren-convert --recipe ...` line in the README's code blocks: what users copy."""
+    text = (ROOT / "README.md").read_text()
+    return [shlex.split(match.group(1)) for block in re.findall(r"```bash\n(.*?)```", text, re.S)
+            for match in re.finditer(r"aaren-convert (--recipe [^#&\n]*)", block)]
+
+
+README_CONVERT_COMMANDS = readme_convert_commands()
+
+
+@pytest.mark.parametrize("argv", README_CONVERT_COMMANDS, ids=" ".join)
+def test_readme_convert_commands_pass_the_checks_a_run_starts_with(argv, monkeypatch):
+    """Each conversion the README shows gets past what a run checks before it reads data: the flags, then the
+    student's config against its teacher's (the README's `--memory-size 0` once failed there, on the recipe's shared
+    memory layer, after the teacher had loaded)."""
+    from aaren_hf.conversion.assets import AssetError
+    from aaren_hf.conversion.cli import convert_parser, options_from_args
+    from aaren_hf.conversion.convert import check_positions, check_teacher_type, resolve_teacher
+
+    assert len(README_CONVERT_COMMANDS) >= 7, README_CONVERT_COMMANDS  # the pattern still finds the README's list
+    monkeypatch.setenv("AAREN_HF_CACHE", str(SUITE_CACHE))  # the packaged teacher as set up, not unpacked anew
+    parser = convert_parser()
+    opts = options_from_args(parser.parse_args(argv), parser)
+    try:
+        teacher = resolve_teacher(opts.teacher, opts.recipe)
+    except AssetError as error:  # an opt-in teacher not set up on this machine
+        pytest.skip(str(error))
+    if not Path(teacher).is_dir():
+        pytest.skip(f"the {opts.recipe} recipe's teacher is not on this machine ({teacher}; its config needs the hub)")
+    check_positions(check_teacher_type(teacher), opts)
+
+
+def test_ablation_script_converts_a_row_and_tabulates_it(tiny, tmp_path):
+    """benchmarks/ablation.py end to end on the tiny teacher, its row without a window: the row's flags pass the
+    converter's checks on the recipe (whose sinks and memory live in the window), the script's claim on the row is not
+    the converter's own lock on the row's output, the table's setup reaches the converter, and the table lists the
+    row as it ran, its weights deleted and its claim released."""
+    teacher, data = tiny
+    out = tmp_path / "ablation"
+    cmd = [sys.executable, "-P", str(ROOT / "benchmarks" / "ablation.py"), "--out-dir", str(out), "--rows", "paper",
+           "--stage1-steps", "1", "--eval-windows", "1", "--recall-trials", "1", "--", "--teacher", str(teacher),
+           "--data", str(data), "--seq-len", "48", "--train-windows", "16", "--heldout-windows", "4",
+           "--init-windows", "2", "--long-seq-len", "96", "--stage1-windows", "8", "--quick-eval"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=cli_env(tmp_path / "cache"))
+    log = out / "paper.log"
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:] + (log.read_text()[-3000:] if log.exists() else "")
+    mixer = json.loads((out / "paper" / "conversion.json").read_text())["options"]["mixer"]
+    assert (mixer["window_size"], mixer["num_sink_tokens"], mixer["memory_size"], mixer["kv_cache_dtype"]) == (
+        0, 0, 0, None)
+    assert "| paper | 1 | none | 0 | 0 |" in (out / "ABLATION.md").read_text()
+    assert not list((out / "paper").glob("*.safetensors")) and not list(out.glob("*.claim"))
 
 
 def test_cli_errors_say_what_to_do(tiny, tmp_path, capsys):

@@ -10,7 +10,6 @@ gradient buckets and thread counts may change the float summation order, hence t
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -18,6 +17,7 @@ import sys
 import pytest
 import torch
 
+from helpers import cache_at
 from test_conversion import cli_args, cli_env, make_corpus, make_tiny_teacher, read_weights, tiny_options
 
 TOLERANCE = 1e-4
@@ -36,16 +36,11 @@ def test_two_processes_match_one(tmp_path):
     single = tmp_path / "single"
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    old_cache = os.environ.get("AAREN_HF_CACHE")
-    os.environ["AAREN_HF_CACHE"] = env["AAREN_HF_CACHE"]
     try:
-        convert(tiny_options(teacher, data, single))
+        with cache_at(tmp_path / "cache"):
+            convert(tiny_options(teacher, data, single))
     finally:
         torch.set_num_threads(threads)
-        if old_cache is None:
-            os.environ.pop("AAREN_HF_CACHE", None)
-        else:
-            os.environ["AAREN_HF_CACHE"] = old_cache
 
     double = tmp_path / "double"
     two = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", "-m", "aaren_hf.conversion.cli",

@@ -24,7 +24,7 @@ from aaren_hf.conversion.adapters import (
     teacher_rotary_inv_freq,
     unchanged_layers,
 )
-from helpers import one_thread  # noqa: F401  (autouse fixture)
+from helpers import cache_at, one_thread  # noqa: F401  (one_thread: autouse fixture)
 
 VOCAB, WINDOW = 96, 8
 TYPES = ["sliding_attention", "sliding_attention", "full_attention"] * 2  # local:global = 2:1, as Gemma-3's 5:1
@@ -277,22 +277,15 @@ def test_bad_convert_layers_is_a_clear_conversion_error(teacher, tmp_path):
 
 @pytest.fixture(scope="module")
 def gemma_folder(tmp_path_factory):
-    import os
-
     from test_conversion import make_corpus, make_tokenizer
 
     root = tmp_path_factory.mktemp("gemma3")
-    old = os.environ.get("AAREN_HF_CACHE")
-    os.environ["AAREN_HF_CACHE"] = str(root / "cache")
-    tokenizer = make_tokenizer()
-    model = make_gemma3(vocab=len(tokenizer), sliding_window=16)
-    model.save_pretrained(root / "teacher")
-    tokenizer.save_pretrained(root / "teacher")
-    yield root / "teacher", make_corpus(root / "data"), model
-    if old is None:
-        os.environ.pop("AAREN_HF_CACHE", None)
-    else:
-        os.environ["AAREN_HF_CACHE"] = old
+    with cache_at(root / "cache"):
+        tokenizer = make_tokenizer()
+        model = make_gemma3(vocab=len(tokenizer), sliding_window=16)
+        model.save_pretrained(root / "teacher")
+        tokenizer.save_pretrained(root / "teacher")
+        yield root / "teacher", make_corpus(root / "data"), model
 
 
 def test_conversion_trains_only_the_global_layers(gemma_folder, tmp_path):

@@ -166,7 +166,9 @@ def test_recall_vs_memory_script_on_a_converted_folder(tiny, tmp_path, monkeypat
     """benchmarks/recall_vs_memory.py end to end on a tiny converted model with a memory, run from another working
     directory: the teacher found through the folder's conversion.json as `aaren-convert eval` finds it (the script
     once read the record's own teacher field, a path relative to the folder), each row at two memory sizes, the
-    perplexity curve and the JSON; a folder without the record is refused with a usage error, not a traceback."""
+    perplexity curve and the JSON; a memory size of 0 switches the student's memory off with its sharing across
+    layers (the learned row, which has nothing to rank, left out); a folder without the record is refused with a
+    usage error, not a traceback."""
     import importlib
     import json
     import sys
@@ -176,21 +178,21 @@ def test_recall_vs_memory_script_on_a_converted_folder(tiny, tmp_path, monkeypat
 
     teacher, data = tiny
     mixer = {"num_query_slots": 2, "decay": "learned", "window_size": 8, "num_sink_tokens": 1, "window_gate": "head",
-             "memory_size": 4, "memory_rule": "learned"}
+             "memory_size": 4, "memory_rule": "learned", "memory_shared_layer": 0}
     out = convert(tiny_options(teacher, data, tmp_path / "out", mixer=mixer))
     load_bench()  # benchmarks/ on sys.path
     script = importlib.import_module("recall_vs_memory")
     monkeypatch.chdir(tmp_path / "out")
-    monkeypatch.setattr(sys, "argv", ["recall_vs_memory.py", "--model", str(out), "--memory-sizes", "2,4",
+    monkeypatch.setattr(sys, "argv", ["recall_vs_memory.py", "--model", str(out), "--memory-sizes", "0,4",
                                       "--distances", "16", "--trials", "2", "--perplexity", "1", "--long-seq-len",
                                       "96", "--json", str(tmp_path / "recall.json")])
     script.main()
     result = json.loads((tmp_path / "recall.json").read_text())
     rows = [(r["name"], r["memory"]) for r in result["rows"]]
-    assert rows == [("teacher (full KV cache)", None)] + [
-        (name, m) for m in (2, 4) for name in ("teacher + TOVA", "teacher + learned retention", "student")]
+    assert rows == [("teacher (full KV cache)", None), ("teacher + TOVA", 0), ("student", 0)] + [
+        ("teacher + TOVA", 4), ("teacher + learned retention", 4), ("student", 4)]
     assert all(len(r["accuracy"]) == 1 and 0 <= r["accuracy"][0] <= 1 for r in result["rows"])
-    assert [c["memory"] for c in result["perplexity"]] == [2, 4]
+    assert [c["memory"] for c in result["perplexity"]] == [0, 4]
     assert all(c["ppl"] > 1 and c["streaming_ppl"] > 1 for c in result["perplexity"])
     assert "| student | 4 |" in capsys.readouterr().out
     monkeypatch.setattr(sys, "argv", ["recall_vs_memory.py", "--model", str(tmp_path), "--trials", "1"])

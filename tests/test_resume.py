@@ -24,7 +24,7 @@ import time
 import pytest
 import torch
 
-from helpers import one_thread  # noqa: F401  (autouse fixture)
+from helpers import cache_at, one_thread  # noqa: F401  (one_thread: autouse fixture)
 from test_conversion import (cli_args, cli_env, make_corpus, make_tiny_teacher, read_weights,  # noqa: F401
                              tiny_options)
 
@@ -32,13 +32,8 @@ from test_conversion import (cli_args, cli_env, make_corpus, make_tiny_teacher, 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("resume")
-    old = os.environ.get("AAREN_HF_CACHE")
-    os.environ["AAREN_HF_CACHE"] = str(root / "cache")
-    yield make_tiny_teacher(root / "teacher"), make_corpus(root / "data"), root / "cache"
-    if old is None:
-        os.environ.pop("AAREN_HF_CACHE", None)
-    else:
-        os.environ["AAREN_HF_CACHE"] = old
+    with cache_at(root / "cache"):
+        yield make_tiny_teacher(root / "teacher"), make_corpus(root / "data"), root / "cache"
 
 
 def assert_same_weights(a: dict, b: dict):
