@@ -491,10 +491,10 @@ def test_cli_help(capsys):
     assert code == 0 and "smollm2-135m" in out
 
 
-def test_console_script_entry_point():
+def test_console_script_entry_point(tmp_path):
     """setup.cfg declares aaren-convert = aaren_hf.conversion.cli:main; the module runs with -m too."""
     result = subprocess.run([sys.executable, "-m", "aaren_hf.conversion.cli", "--help"], capture_output=True,
-                            text=True, env=cli_env(Path("/tmp")), timeout=120)
+                            text=True, env=cli_env(tmp_path / "cache"), timeout=120)
     assert result.returncode == 0 and "usage: aaren-convert" in result.stdout
 
 
