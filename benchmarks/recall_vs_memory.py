@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from aaren_hf.conversion.cli import MEMORY_BITS_FLAGS, layer_or_none, memory_bits_from_flag
-from aaren_hf.conversion.recipes import defaults_implied_by
+from aaren_hf.conversion.recipes import override_mixer
 from aaren_hf.modeling_aaren import round_retention
 
 
@@ -50,12 +50,6 @@ def _ints(text: str) -> list[int]:
     return values
 
 
-def with_implied(base: dict, given: dict) -> dict:
-    """``base`` with the settings ``given`` and what they imply for the rest, as aaren-convert applies its flags (a
-    memory of 0 takes its sharing across layers with it, codes of other bits their own rotation default)."""
-    return {**base, **defaults_implied_by(given), **given}
-
-
 def _learned_retention_teacher(teacher, student_dir: Path, mixer: dict, memory: int):
     """The teacher as sliding-window layers with the memory tier and the student's fitted retention score."""
     from safetensors import safe_open
@@ -63,7 +57,7 @@ def _learned_retention_teacher(teacher, student_dir: Path, mixer: dict, memory: 
     from aaren_hf.conversion.convert import build_student
 
     given = {"memory_size": memory, "memory_rule": "learned", "convert_layers": "none"}
-    model = build_student(teacher, with_implied(mixer, given)).eval()
+    model = build_student(teacher, override_mixer(mixer, given)).eval()
     params = dict(model.named_parameters())
     with safe_open(student_dir / "model.safetensors", "pt") as f:
         names = [k for k in f.keys() if ".retention_proj." in k]
@@ -212,14 +206,14 @@ def main() -> None:
                 results.append(probe("teacher + learned retention", model, memory))
                 del model
             if "student" in rows:
-                at_memory = with_implied({}, {**override, "memory_size": memory})
+                at_memory = override_mixer({}, {**override, "memory_size": memory})
                 student = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **at_memory).eval()
                 results.append(probe("student", student, memory))
                 del student
     ranks = None
     if args.ranks:
         student = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                       **with_implied({}, override)).eval()
+                                                       **override_mixer({}, override)).eval()
         memory = [layer.mixer.memory_size for layer in student.model.layers]
         ranks = key_ranks(student, tokenizer, filler.reshape(-1).tolist(), args.distances, args.trials or 10,
                           options["seed"])
@@ -243,7 +237,7 @@ def main() -> None:
         base = perplexity(teacher, long, batch_size=1)["ppl"]
         print(f"| teacher (full KV cache) | | {base:.3f} | 1.00x | | | |", flush=True)
         for memory in args.memory_sizes:
-            at_memory = with_implied({}, {**override, "memory_size": memory})
+            at_memory = override_mixer({}, {**override, "memory_size": memory})
             student = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **at_memory).eval()
             equal = equal_memory_window(student.config, teacher.config, sinks, _kv_dtype(student))
             ppl = perplexity(student, long, batch_size=1)["ppl"]

@@ -45,7 +45,7 @@ import torch
 from . import train_state as ts
 from .stage1 import Stage1Options, run_stage1
 from .stage2 import Stage2Options, run_stage2
-from .recipes import DEFAULT_MIXER, defaults_implied_by
+from .recipes import DEFAULT_MIXER, override_mixer
 
 __all__ = ["ConvertOptions", "ConversionError", "convert", "default_output_name", "resolve_teacher",
            "options_from_recipe", "load_teacher", "build_student"]
@@ -146,7 +146,7 @@ def apply_overrides(opts: ConvertOptions, **overrides) -> ConvertOptions:
         if key in ("stage1", "stage2") and isinstance(value, dict):
             setattr(opts, key, replace(getattr(opts, key), **value))
         elif key == "mixer" and isinstance(value, dict):
-            opts.mixer = {**opts.mixer, **defaults_implied_by(value), **value}
+            opts.mixer = override_mixer(opts.mixer, value)
         elif key in {f.name for f in fields(ConvertOptions)}:
             setattr(opts, key, value)
         else:

@@ -25,7 +25,7 @@ from pathlib import Path
 from .data import _hub_reachable
 
 __all__ = ["Budget", "DEFAULT_MIXER", "GEMMA3_MIXER", "RECIPES", "Recipe", "default_memory_hadamard",
-           "defaults_implied_by", "get_recipe", "list_recipes"]
+           "get_recipe", "list_recipes", "override_mixer"]
 
 
 def default_memory_hadamard(memory_bits) -> bool:
@@ -34,19 +34,19 @@ def default_memory_hadamard(memory_bits) -> bool:
     return memory_bits == 4
 
 
-def defaults_implied_by(mixer: dict) -> dict:
-    """The settings a mixer override implies for those it leaves to the recipe: a window of 0 takes the recipe's
-    sinks and memory with it (both live in the window branch), a memory of 0 its sharing across layers, and codes of
-    other bits bring their own rotation default. Kept, the recipe's settings for a tier the override removed would
-    only make the student's config refuse them; what the override names itself still wins."""
+def override_mixer(base: dict, given: dict) -> dict:
+    """Mixer options ``base`` (a recipe's, a run's) with the settings ``given`` and what they imply for those they
+    leave to ``base``: a window of 0 takes its sinks and memory with it (both live in the window branch), a memory of
+    0 its sharing across layers, and codes of other bits bring their own rotation default. Kept, ``base``'s settings
+    for a tier ``given`` removed would only make the student's config refuse them; what ``given`` names still wins."""
     implied = {}
-    if mixer.get("window_size") == 0:
+    if given.get("window_size") == 0:
         implied.update(num_sink_tokens=0, memory_size=0)
-    if mixer.get("memory_size", implied.get("memory_size")) == 0:
+    if given.get("memory_size", implied.get("memory_size")) == 0:
         implied["memory_shared_layer"] = None
-    if "memory_bits" in mixer:
-        implied["memory_hadamard"] = default_memory_hadamard(mixer["memory_bits"])
-    return implied
+    if "memory_bits" in given:
+        implied["memory_hadamard"] = default_memory_hadamard(given["memory_bits"])
+    return {**base, **implied, **given}
 
 
 DEFAULT_MIXER = {
@@ -102,13 +102,12 @@ class Recipe:
         win)."""
         from .adapters import aaren_config_from_teacher
 
-        mixer = {**self.mixer, **defaults_implied_by(overrides), **overrides}
-        return aaren_config_from_teacher(teacher_config, **mixer)
+        return aaren_config_from_teacher(teacher_config, **override_mixer(self.mixer, overrides))
 
     def replace(self, **changes) -> "Recipe":
         """A copy with some fields changed; ``mixer`` and ``budget`` may be given as partial dicts."""
         if isinstance(changes.get("mixer"), dict):
-            changes["mixer"] = {**self.mixer, **defaults_implied_by(changes["mixer"]), **changes["mixer"]}
+            changes["mixer"] = override_mixer(self.mixer, changes["mixer"])
         if isinstance(changes.get("budget"), dict):
             changes["budget"] = dataclasses.replace(self.budget, **changes["budget"])
         return dataclasses.replace(self, **changes)

@@ -18,6 +18,7 @@ import torch
 
 import aaren_hf  # noqa: F401  (registers the Auto classes)
 from aaren_hf import AarenCache, AarenConfig, AarenForCausalLM
+from aaren_hf.conversion.assets import cache_root
 
 VOCAB = 64
 PAD = 0
@@ -90,7 +91,7 @@ def one_thread():
 
 
 # The cache folder the suite started with, read on import, before any fixture points AAREN_HF_CACHE elsewhere.
-SUITE_CACHE = Path(os.environ.get("AAREN_HF_CACHE") or Path.home() / ".cache" / "aaren_hf").expanduser()
+SUITE_CACHE = cache_root()
 
 
 def fresh_cache(root: Path) -> Path:
