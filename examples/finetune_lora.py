@@ -195,6 +195,24 @@ def perplexity(model, blocks, batch_size=4) -> float:
     return math.exp(total / max(count, 1))
 
 
+def merge_difference(adapter_dir, probe) -> float:
+    """max |logits difference| on ``probe`` between the adapter (reloaded as a user would) and its merge_and_unload,
+    both with the window and memory stored at full precision. Merged weights differ from the adapter's sums by float
+    rounding, and a state kept in bfloat16 and 4-bit codes (the recipe's) rounds a few of the two models' entries to
+    neighbouring values: on the converted SmolLM2 that alone moved logits by 0.7, burying whatever the merge itself
+    got wrong (with the state at full precision: 1e-4)."""
+    import torch
+    from peft import AutoPeftModelForCausalLM
+
+    full_precision = dict(kv_cache_dtype=None, memory_bits=None, memory_hadamard=False)
+    model = AutoPeftModelForCausalLM.from_pretrained(str(adapter_dir), trust_remote_code=True, dtype=torch.float32,
+                                                     **full_precision).eval()
+    with torch.no_grad():
+        adapter = model(input_ids=probe, use_cache=False).logits
+        merged = model.merge_and_unload()(input_ids=probe, use_cache=False).logits
+    return (adapter - merged).abs().max().item()
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Model card of the merged model
 # ----------------------------------------------------------------------------------------------------------------
@@ -404,17 +422,12 @@ def finetune(args):
         pass
 
     # Reload as a user would: the adapter folder names its base model; the base loads with its saved code.
+    diff = merge_difference(adapter_dir, eval_blocks[:2])
     reloaded = AutoPeftModelForCausalLM.from_pretrained(str(adapter_dir), trust_remote_code=True, dtype=torch.float32)
-    reloaded.eval()
-    probe = eval_blocks[:2]
-    with torch.no_grad():
-        logits_adapter = reloaded(input_ids=probe, use_cache=False).logits
     merged = reloaded.merge_and_unload()
-    with torch.no_grad():
-        logits_merged = merged(input_ids=probe, use_cache=False).logits
-    diff = (logits_adapter - logits_merged).abs().max().item()
     ppl_after = perplexity(merged, eval_blocks)
-    log(f"adapter: {adapter_dir} (reloaded with AutoPeftModelForCausalLM; merged vs adapter logits max |diff| {diff:.2e})")
+    log(f"adapter: {adapter_dir} (reloaded with AutoPeftModelForCausalLM; merged vs adapter logits max |diff| "
+        f"{diff:.2e}, state at full precision)")
     log(f"held-out perplexity before: {ppl_before:.3f}  after: {ppl_after:.3f}")
 
     saved_dtype = checkpoint_dtype(model_path)
