@@ -262,3 +262,41 @@ def test_bench_window_times_both_paths_and_checks_they_agree(monkeypatch):
                               "--min-time", "0"])
     assert runs["attention"][0]["kernel"]["forward_backward_s"] > 0 and runs["attention"][0]["B"] == 2
     assert runs["step"][0]["kernel_s"] > 0 and runs["step"][0]["B"] == 2
+
+
+def test_context_length_scores_the_same_tokens_after_each_context(tmp_path, capsys):
+    """benchmarks/context_length.py on a tiny student with a window, a sink and a memory: at every L the scored
+    tokens are the text's last ones, and their loss after L tokens read in pieces through the cache is the loss of
+    one forward pass over the L + scored tokens (L = 0: over the scored tokens alone); --set reaches the config; a
+    text too short for the lengths is refused."""
+    import json
+
+    import torch
+    from test_examples import TEXT, make_tiny_folder
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    load_bench()
+    context_length = importlib.import_module("context_length")
+    folder = make_tiny_folder(tmp_path / "student", window_size=8, num_sink_tokens=1, memory_size=4)
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT * 40)
+    argv = ["--model", str(folder), "--lengths", "0,37", "--scored", "520", "--piece", "16", "--text-file", str(text),
+            "--json", str(tmp_path / "rows.json")]
+    rows = context_length.main(argv)
+    assert [(r["model"], r["context"]) for r in rows] == [(str(folder), 0), (str(folder), 37)]
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = context_length.text_ids(tokenizer, 37 + 520, text_file=str(text))
+    for row in rows:
+        whole = ids[len(ids) - 520 - row["context"]:][None]
+        with torch.no_grad():
+            logits = model(input_ids=whole, use_cache=False).logits[0, -520:-1]
+        loss = torch.nn.functional.cross_entropy(logits, whole[0, -519:], reduction="none")
+        assert abs(row["loss"] - loss.mean().item()) < 1e-5
+        assert abs(row["last_512"] - loss[-512:].mean().item()) < 1e-5
+    assert json.loads((tmp_path / "rows.json").read_text())["rows"][1]["context"] == 37
+    assert f"| {folder} | 37 |" in capsys.readouterr().out
+    without = context_length.main(argv[:-2] + ["--set", "memory_size=0"])
+    assert without[1]["loss"] != rows[1]["loss"]  # the memory switched off
+    with pytest.raises(SystemExit, match="need 100,000"):
+        context_length.main(["--model", str(folder), "--lengths", "99480", "--scored", "520", "--text-file", str(text)])
