@@ -17,7 +17,8 @@ MEMORY_BITS = (None, 8, 4)
 # 3: memory_shared_layer (code without it would silently keep other tokens in the memory).
 # 4: memory_bits (code without it would silently keep the memory at 16 bits, and fewer tokens per byte).
 # 5: memory_hadamard (code without it would read rotated codes as plain ones).
-AAREN_FORMAT_VERSION = 5
+# 6: memory_recency (code without it would keep old tokens in the memory, read at distances the teacher never saw).
+AAREN_FORMAT_VERSION = 6
 
 
 class AarenConfig(PreTrainedConfig):
@@ -54,6 +55,14 @@ class AarenConfig(PreTrainedConfig):
             as worth keeping (a key, a name, a number) stays in their memories too. Layer L's own ranking is
             unchanged. Scores stay static, so the parallel path still equals token-by-token decoding. None: every
             layer ranks on its own. Layer L needs a memory.
+        memory_recency (`float`, 0.0): lambda: a token's learned retention score gets lambda x its position when it
+            is written, so a newer token outranks an older one of a score up to lambda x their distance higher.
+            The score stays static (the parallel path still equals decoding), and once the stream is longer than
+            (spread of the scores) / lambda + M + W tokens no kept key is older than that: a memory without it keeps
+            its best tokens from anywhere in the stream, and read at true positions they end up farther back than
+            the teacher ever attended (SmolLM2-135M: 8,192 tokens), where its loss jumps from 2.8 to 7.5 at 16K
+            tokens; 0.0005 keeps it at 2.76 to 32K, at the cost of a passkey in ten at 2,048 tokens (README,
+            "Limits"). Needs memory_rule="learned".
         kv_cache_dtype (`str`, None): the dtype the window, sink and memory keys/values are stored in ("bfloat16" or
             "float16"; None: the model's dtype, like a KV cache). The window branch rounds its keys and values to it
             in training and prefill too, so every path computes on the numbers the cache holds; the Aaren state,
@@ -142,6 +151,7 @@ class AarenConfig(PreTrainedConfig):
         memory_size=0,
         memory_rule="learned",
         memory_shared_layer=None,
+        memory_recency=0.0,
         kv_cache_dtype=None,
         memory_bits=None,
         memory_hadamard=False,
@@ -200,6 +210,7 @@ class AarenConfig(PreTrainedConfig):
         self.memory_size = list(memory_size) if isinstance(memory_size, (list, tuple)) else memory_size
         self.memory_rule = memory_rule
         self.memory_shared_layer = memory_shared_layer
+        self.memory_recency = memory_recency
         self.kv_cache_dtype = kv_cache_dtype
         self.memory_bits = memory_bits
         self.memory_hadamard = memory_hadamard
@@ -303,6 +314,13 @@ class AarenConfig(PreTrainedConfig):
             )
         if self.memory_bits == 4 and self.head_dim % 2:
             raise ValueError(f"memory_bits=4 packs two codes to a byte and needs an even head_dim, got {self.head_dim}")
+        if isinstance(self.memory_recency, bool) or not isinstance(self.memory_recency, (int, float)) or not (
+                0.0 <= self.memory_recency < float("inf")):
+            raise ValueError(f"memory_recency must be a finite number >= 0 (0: no recency), got {self.memory_recency!r}")
+        self.memory_recency = float(self.memory_recency)
+        if self.memory_recency > 0 and self.memory_rule != "learned":
+            raise ValueError("memory_recency adds to the learned retention score: set memory_rule='learned' as well, "
+                             "or memory_recency=0")
         if not isinstance(self.memory_hadamard, bool):
             raise ValueError(f"memory_hadamard must be True or False, got {self.memory_hadamard!r}")
         if self.memory_hadamard:

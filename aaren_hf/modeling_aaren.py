@@ -1320,6 +1320,7 @@ class AarenMixer(nn.Module):
             self.register_buffer("rope_inv_freq", inv_freq, persistent=True)
         self.memory_rule = config.memory_rule
         self.memory_shared_layer = config.memory_shared_layer
+        self.memory_recency = getattr(config, "memory_recency", 0.0)
         self.kv_cache_dtype = getattr(torch, config.kv_cache_dtype) if config.kv_cache_dtype else None
         self.memory_codes = MemoryCodes.of(config) if self.memory_size > 0 else None  # None: stored as the window
         if self.memory_size > 0 and self.memory_rule == "learned":
@@ -1403,7 +1404,7 @@ class AarenMixer(nn.Module):
         if self.aaren_branch:
             o, s = self.aaren_output(x, q, k, v, mask, state)
         if self.window > 0:
-            retention = self.retention_score(x, s) if self.memory_size > 0 else None
+            retention = self.retention_score(x, s, pos) if self.memory_size > 0 else None
             mix = None
             if self.aaren_branch:
                 mix = o, self.window_gate if hasattr(self, "window_gate") else self.gate_proj(x)
@@ -1521,13 +1522,21 @@ class AarenMixer(nn.Module):
         s = float32_product(k.transpose(1, 2), c.transpose(1, 2))  # [B, Hkv, T, G * J]
         return s.transpose(1, 2).reshape(B, T, -1) * self.scale
 
-    def retention_score(self, x, aaren_scores):
+    def retention_score(self, x, aaren_scores, pos):
         """[B, T, Hkv]: how much each token deserves a place in the memory once it leaves the window, as computed
         (in the projection's dtype, or float32); the memory ranks by :meth:`ranking_score` of it."""
         if self.memory_rule == "learned":
-            return self.retention_proj(x).detach()
+            return self.learned_retention(x, pos).detach()
         B, T = x.shape[:2]
         return aaren_scores.view(B, T, self.num_kv_heads, -1).amax(-1).detach()
+
+    def learned_retention(self, x, pos):
+        """``retention_proj``'s score [B, T, Hkv], plus ``memory_recency`` x the token's position (float32, where
+        positions far into a stream stay exact to the 1/64 grid)."""
+        score = self.retention_proj(x)
+        if self.memory_recency:
+            score = score.float() + self.memory_recency * pos.unsqueeze(-1).float()
+        return score
 
     def ranking_score(self, score, shared: Optional[dict]):
         """The score [B, T, Hkv] the memory ranks tokens by: ``score`` (:meth:`retention_score`) on a grid of 1/64,
@@ -1639,7 +1648,7 @@ class AarenMixer(nn.Module):
             queries=self.queries if self.aaren_branch else None, log_decay=getattr(self, "log_decay", None),
             decay_in=self.decay_proj(x) if self.decay == "input" else None, decay=self.decay, window=self.window,
             sinks=S, memory_size=M, bits=codes and codes.bits, rotate=bool(codes and codes.rotate),
-            retention=self.retention_proj(x) if M > 0 and self.memory_rule == "learned" else None,
+            retention=self.learned_retention(x, pos) if M > 0 and self.memory_rule == "learned" else None,
             rule=self.memory_rule, share=share, shared_retention=shared_retention, gate=gate, scale=self.scale)
         if step:
             angles, sink_turn = self.step_angles(pos, shared) if self.window > 0 else (None, None)

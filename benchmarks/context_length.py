@@ -62,7 +62,15 @@ def scored_loss(model, ids, context, scored, piece):
 
 
 def parse_value(text):
-    return {"None": None, "True": True, "False": False}.get(text, int(text) if text.lstrip("-").isdigit() else text)
+    """A --set value: None, True, False, an integer, a number, else the string."""
+    if text in ("None", "True", "False"):
+        return {"None": None, "True": True, "False": False}[text]
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def parse_args(argv=None):
@@ -72,7 +80,7 @@ def parse_args(argv=None):
     parser.add_argument("--scored", type=int, default=1024, help="tokens scored after each context (>= 513)")
     parser.add_argument("--piece", type=int, default=2048, help="tokens fed per call while reading the context")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="config override for every model, e.g. memory_size=0 (None, True, False, integers)")
+                        help="config override for every model, e.g. memory_size=0 (None, True, False, numbers)")
     parser.add_argument("--text-file", default=None, help="score this text instead of the packaged corpus")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--json", default=None, help="also write the rows here")

@@ -111,6 +111,10 @@ def parse_args(argv=None):
                                                                        "about 20 lines in all)")
     parser.add_argument("--kv-bytes", type=int, default=2, help="bytes per teacher KV value (2: bf16/fp16)")
     parser.add_argument("--trust-remote-code", action="store_true", help="load without importing aaren_hf")
+    parser.add_argument("--memory-recency", type=float, default=None,
+                        help="load the model with this memory_recency (e.g. 0.0005): without it a converted model's "
+                             "memory ends up reading keys farther back than its teacher ever attended, and its "
+                             "output past the teacher's context is noise (README, Limits)")
     parser.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
@@ -140,8 +144,9 @@ def run(args, threads):
                              "command), pass --model FOLDER, or use --tiny.")
         if not args.trust_remote_code:
             import aaren_hf  # noqa: F401
+        overrides = {} if args.memory_recency is None else {"memory_recency": args.memory_recency}
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32,
-                                                     trust_remote_code=args.trust_remote_code)
+                                                     trust_remote_code=args.trust_remote_code, **overrides)
         tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
         name = args.model
     model.eval()
@@ -155,7 +160,8 @@ def run(args, threads):
     ids = input_tokens(tokenizer, n, config.vocab_size, args.random or args.tiny, args.corpus, args.text_file, args.seed)
     ram = machine_ram()
     print(f"model: {name}: {config.num_hidden_layers} layers, {config.num_key_value_heads} KV heads x "
-          f"{config.head_dim} dims; window {config.window_size}, sinks {config.num_sink_tokens}; "
+          f"{config.head_dim} dims; window {config.window_size}, sinks {config.num_sink_tokens}, memory "
+          f"{config.memory_size} (recency {getattr(config, 'memory_recency', 0.0)}); "
           f"RAM here: {human(ram) if ram else 'unknown'}; {threads} CPU thread(s)", flush=True)
     print(f"{'tokens':>12} {'tokens/s':>10} {'state bytes':>12} {'teacher KV cache':>17} {'ETA':>8}", flush=True)
 

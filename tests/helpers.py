@@ -52,9 +52,10 @@ MIXER_CASES = {
                                     decay="learned"),
     # a memory in one layer only (per-layer M; layer 0 has no retention parameters)
     "memory_per_layer": dict(window_size=3, num_sink_tokens=1, memory_size=[0, 3]),
-    # layer 1 also keeps what layer 0's retention score ranks high
+    # layer 1 also keeps what layer 0's retention score ranks high; a recency bias on the scores (what keeps the kept
+    # keys within the distances the teacher saw in a long stream)
     "memory_shared": dict(window_size=3, num_sink_tokens=1, memory_size=2, num_key_value_heads=2,
-                          memory_shared_layer=0),
+                          memory_shared_layer=0, memory_recency=0.1),
     # window, sink and memory keys/values stored (and computed on) in 16 bits in a float32 model
     "memory_kv_bf16": dict(window_size=3, num_sink_tokens=1, memory_size=3, kv_cache_dtype="bfloat16"),
     # the memory in 8-bit codes beside a 16-bit window; in 4-bit codes beside a float32 one

@@ -390,6 +390,14 @@ def test_long_context_tiny(capsys):
     assert result["teacher_kv_bytes"] == 2 * 2 * 2 * config.head_dim * 3004 * 2
 
 
+def test_long_context_loads_the_model_with_the_memory_recency_asked_for(student_folder, capsys):
+    lc = load_example("long_context")
+    for flag, shown in (([], "memory 4 (recency 0.0)"), (["--memory-recency", "0.5"], "memory 4 (recency 0.5)")):
+        lc.main(["--model", str(student_folder), "--tokens", "40", "--chunk", "16", "--random", "--max-new-tokens",
+                 "2"] + flag)
+        assert shown in capsys.readouterr().out
+
+
 def test_long_context_chunked_prefill_then_generate_equals_plain_generate():
     """What long_context.py does (prefill in chunks with the returned cache, then generate() from the cache) gives
     the tokens of one plain generate() over the whole input."""

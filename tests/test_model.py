@@ -693,7 +693,7 @@ def reference_mixer(mixer, config, x, mask):
     memory = config.layer_memory_size(mixer.layer_idx)
     if not mixer.aaren_branch:  # a sliding-attention layer: the window branch alone
         win = brute_force_window(q, k, v, pos, config.window_size, config.num_sink_tokens, mixer.rope_inv_freq,
-                                 scale, memory, mixer.ranking_score(mixer.retention_score(x.float(), None), None),
+                                 scale, memory, mixer.ranking_score(mixer.retention_score(x.float(), None, pos), None),
                                  kv_dtype=mixer.kv_cache_dtype, memory_bits=config.memory_bits,
                                  memory_hadamard=config.memory_hadamard)
         return lin(mixer.o_proj, win.reshape(B, T, H * D))
@@ -720,7 +720,7 @@ def reference_mixer(mixer, config, x, mask):
         retention = None
         if memory:  # the mixer's own scores: the rule is checked by test_memory_matches_brute_force
             s_all = s.float().masked_fill(~mask[:, :, None], 0.0)
-            retention = mixer.ranking_score(mixer.retention_score(x.float(), s_all), None)
+            retention = mixer.ranking_score(mixer.retention_score(x.float(), s_all, pos), None)
         win = brute_force_window(q, k, v, pos, config.window_size, config.num_sink_tokens, mixer.rope_inv_freq,
                                  scale, memory, retention, kv_dtype=mixer.kv_cache_dtype, memory_bits=config.memory_bits,
                                  memory_hadamard=config.memory_hadamard)
@@ -834,6 +834,30 @@ def memory_inputs(T, D, seed, padding):
     mask = torch.ones(B, T, dtype=torch.bool)
     mask[1, :padding] = False
     return q, k, v, retention, (mask.long().cumsum(1) - 1).masked_fill(~mask, -1), gen
+
+
+def test_memory_recency_adds_its_multiple_of_the_position_and_keeps_newer_tokens():
+    """memory_recency: the learned score plus lambda x position, in float32; at a lambda far above the scores' spread
+    the memory holds the newest tokens that left the window, in prefill and after decoding, where without it the
+    highest-scoring tokens of the whole stream stay."""
+    ids = random_ids(1, 40, seed=3)
+    kept = {}
+    for recency in (0.0, 1000.0):
+        model = tiny_model(**dict(MIXER_CASES["memory_learned"], memory_recency=recency)).eval()
+        mixer = model.model.layers[1].mixer
+        x, pos = torch.randn(1, 5, mixer.retention_proj.in_features), torch.arange(5).view(1, 5)
+        torch.testing.assert_close(mixer.retention_score(x, None, pos),
+                                   mixer.retention_proj(x).float() + recency * pos.unsqueeze(-1).float())
+        with torch.no_grad():
+            cache = model(ids[:, :30], use_cache=True).past_key_values
+            for t in range(30, 40):
+                cache = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).past_key_values
+        kept[recency] = [sorted(state.memory_pos[0, 0].tolist()) for state in cache.layers]
+        oldest_in_window = [int(state.window_pos[0].min()) for state in cache.layers]
+        if recency:
+            M = model.config.memory_size
+            assert kept[recency] == [list(range(w - M, w)) for w in oldest_in_window]
+    assert kept[0.0] != kept[1000.0]
 
 
 @pytest.mark.parametrize("window,sinks,memory,splits", [(4, 1, 3, (6,)), (3, 0, 2, (1, 2, 3)), (2, 2, 5, (9,)),
@@ -1005,7 +1029,7 @@ def test_shared_retention_keeps_the_top_tokens_by_the_larger_score():
     recorded = {}
     for i, layer in enumerate(shared.model.layers):
         own = layer.mixer.retention_score
-        layer.mixer.retention_score = lambda x, s, i=i, own=own: recorded.setdefault(i, own(x, s))
+        layer.mixer.retention_score = lambda x, s, pos, i=i, own=own: recorded.setdefault(i, own(x, s, pos))
     ids = random_ids(1, 17, seed=2)
     T, W, S, M = 17, 3, 1, 3
     with torch.no_grad():
@@ -1467,6 +1491,10 @@ def test_half_precision_models_keep_fp32_state(dtype):
         (dict(window_size=4, memory_size=2, memory_hadamard=True), "set memory_bits=8 or 4 as well"),
         (dict(window_size=4, memory_size=2, memory_bits=8, memory_hadamard=True, head_dim=12), "a power of 2"),
         (dict(window_size=4, memory_size=2, memory_bits=8, memory_hadamard="yes"), "must be True or False"),
+        (dict(window_size=4, memory_size=2, memory_recency=-0.5), "memory_recency must be a finite number >= 0"),
+        (dict(window_size=4, memory_size=2, memory_recency=float("nan")), "memory_recency must be a finite number"),
+        (dict(window_size=4, memory_size=2, memory_recency="0.1"), "memory_recency must be a finite number"),
+        (dict(window_size=4, memory_size=2, memory_rule="aaren", memory_recency=0.1), "set memory_rule='learned'"),
         (dict(layer_types=["linear_attention"]), "layer_types must list one of"),
         (dict(layer_types=["linear_attention", "global"]), "layer_types must list one of"),
         (dict(layer_types=["linear_attention", "sliding_attention"]), "'sliding_attention' layer is the window branch alone"),
