@@ -316,7 +316,8 @@ class AarenConfig(PreTrainedConfig):
             raise ValueError(f"memory_bits=4 packs two codes to a byte and needs an even head_dim, got {self.head_dim}")
         if isinstance(self.memory_recency, bool) or not isinstance(self.memory_recency, (int, float)) or not (
                 0.0 <= self.memory_recency < float("inf")):
-            raise ValueError(f"memory_recency must be a finite number >= 0 (0: no recency), got {self.memory_recency!r}")
+            raise ValueError(f"memory_recency must be a finite number >= 0 (0: no recency), got "
+                             f"{self.memory_recency!r}")
         self.memory_recency = float(self.memory_recency)
         if self.memory_recency > 0 and self.memory_rule != "learned":
             raise ValueError("memory_recency adds to the learned retention score: set memory_rule='learned' as well, "
