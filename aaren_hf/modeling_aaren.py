@@ -1320,7 +1320,7 @@ class AarenMixer(nn.Module):
             self.register_buffer("rope_inv_freq", inv_freq, persistent=True)
         self.memory_rule = config.memory_rule
         self.memory_shared_layer = config.memory_shared_layer
-        self.memory_recency = getattr(config, "memory_recency", 0.0)
+        self.memory_recency = config.memory_recency
         self.kv_cache_dtype = getattr(torch, config.kv_cache_dtype) if config.kv_cache_dtype else None
         self.memory_codes = MemoryCodes.of(config) if self.memory_size > 0 else None  # None: stored as the window
         if self.memory_size > 0 and self.memory_rule == "learned":

@@ -35,6 +35,8 @@ from generate import cpu_threads  # noqa: E402  (one rule for --threads in the e
 
 DEFAULT_MODEL = "outputs/SmolLM2-135M-Instruct-aaren"
 HOLDOUT_EVERY = 10
+# the window and memory stored at full precision (config overrides of an Aaren checkpoint): see merge_difference
+FULL_PRECISION_STATE = dict(kv_cache_dtype=None, memory_bits=None, memory_hadamard=False)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -204,9 +206,8 @@ def merge_difference(adapter_dir, probe) -> float:
     import torch
     from peft import AutoPeftModelForCausalLM
 
-    full_precision = dict(kv_cache_dtype=None, memory_bits=None, memory_hadamard=False)
     model = AutoPeftModelForCausalLM.from_pretrained(str(adapter_dir), trust_remote_code=True, dtype=torch.float32,
-                                                     **full_precision).eval()
+                                                     **FULL_PRECISION_STATE).eval()
     with torch.no_grad():
         adapter = model(input_ids=probe, use_cache=False).logits
         merged = model.merge_and_unload()(input_ids=probe, use_cache=False).logits

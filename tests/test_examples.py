@@ -488,8 +488,8 @@ def test_finetune_tiny_run_saves_adapter_that_reloads_and_merges(student_folder,
     assert Path(config["base_model_name_or_path"]) == student_folder.resolve()
     # the window and memory at full precision: stored in 16 and 4 bits, weights that differ by float rounding may
     # round a state entry apart (finetune_lora.merge_difference)
-    peft_model = AutoPeftModelForCausalLM.from_pretrained(adapter, trust_remote_code=True, kv_cache_dtype=None,
-                                                          memory_bits=None, memory_hadamard=False).eval()
+    peft_model = AutoPeftModelForCausalLM.from_pretrained(adapter, trust_remote_code=True,
+                                                          **ft.FULL_PRECISION_STATE).eval()
     lora_b = [p for n, p in peft_model.named_parameters() if "lora_B" in n]
     assert lora_b and any(p.abs().sum() > 0 for p in lora_b)  # trained (lora_B starts at zero)
     ids = torch.randint(3, peft_model.config.vocab_size, (2, 12))
