@@ -40,7 +40,6 @@ import torch
 
 from aaren_hf.conversion.cli import MEMORY_BITS_FLAGS, layer_or_none, memory_bits_from_flag
 from aaren_hf.conversion.recipes import override_mixer
-from aaren_hf.modeling_aaren import round_retention
 
 
 def _ints(text: str) -> list[int]:
@@ -90,11 +89,11 @@ def key_ranks(model, tokenizer, filler: list, distances: list, trials: int, seed
     scores = {}
     for i, mixer in enumerate(mixers):
         if mixer.memory_size > 0:
-            def record(x, aaren_scores, i=i, score=mixer.retention_score):
-                raw = score(x, aaren_scores)
-                scores[i] = round_retention(raw)  # on the grid the memory ranks on (ranking_score)
-                return raw
-            mixer.retention_score = record  # this instance only: the model is discarded after the benchmark
+            def record(score, shared, i=i, rank=mixer.ranking_score):
+                scores[i] = rank(score, shared)  # what the memory ranks by: recency, grid and sharing included
+                return scores[i]
+            mixer.ranking_score = record  # this instance only: the model is discarded after the benchmark
+    model.requires_grad_(False)
     out = {}
     for distance in distances:
         ranks = {i: [] for i, mixer in enumerate(mixers) if mixer.memory_size > 0}
@@ -103,7 +102,8 @@ def key_ranks(model, tokenizer, filler: list, distances: list, trials: int, seed
         for (seq, n_context, _), (_, before_key, key_ids, _, _) in zip(built, drawn):
             start = len(intro) + len(before_key)
             key = [start + j for j, t in enumerate(key_ids) if any(c.isalnum() for c in tokenizer.decode([t]))]
-            model(input_ids=torch.tensor([seq[:n_context]]), use_cache=False, logits_to_keep=1)
+            with torch.enable_grad():  # the PyTorch path, which ranks through ranking_score (the C kernel ranks inside)
+                model(input_ids=torch.tensor([seq[:n_context]]), use_cache=False, logits_to_keep=1)
             for i, score in scores.items():
                 mixer = mixers[i]
                 last = n_context - 1

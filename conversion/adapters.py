@@ -34,6 +34,7 @@ from aaren_hf.configuration_aaren import AarenConfig
 from aaren_hf.modeling_aaren import AarenForCausalLM
 
 __all__ = [
+    "RECENCY_SCORE_SPAN",
     "SUPPORTED_TEACHERS",
     "TeacherLayer",
     "aaren_config_from_teacher",
@@ -52,8 +53,8 @@ __all__ = [
 SUPPORTED_TEACHERS = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gpt2", "gpt_neox")
 
 MIXER_OPTIONS = ("num_query_slots", "decay", "decay_init", "window_size", "num_sink_tokens", "window_gate",
-                 "window_gate_init", "memory_size", "memory_rule", "memory_shared_layer", "kv_cache_dtype",
-                 "memory_bits", "memory_hadamard", "convert_layers", "chunk_size")
+                 "window_gate_init", "memory_size", "memory_rule", "memory_recency", "memory_shared_layer",
+                 "kv_cache_dtype", "memory_bits", "memory_hadamard", "convert_layers", "chunk_size")
 
 
 @dataclass
@@ -591,12 +592,21 @@ def get_adapter(teacher):
 _AAREN_PARAMETERS = set(inspect.signature(AarenConfig.__init__).parameters) - {"self", "kwargs"}
 
 
+# A learned memory's default recency: RECENCY_SCORE_SPAN / the teacher's context length, so that a kept key scored
+# this far above a newer token is outranked by it once it is about a context length old, and the memory never hands
+# the student keys at distances the teacher's positions never reached (past them the loss jumps as a full KV
+# cache's does: README, "Limits"). 4 units: the learned scores' spread on SmolLM2-135M (8,192 tokens: lambda =
+# 0.00049); 0.0005 and 0.001 measured flat to 32K tokens, 0.001 at some cost to recall from 2,048 tokens back.
+RECENCY_SCORE_SPAN = 4.0
+
+
 def aaren_config_from_teacher(teacher_config, **options) -> AarenConfig:
     """An :class:`AarenConfig` with the teacher's dimensions and block layout.
 
     ``options`` are AarenConfig arguments, typically the mixer's (``num_query_slots``, ``decay``, ``decay_init``,
     ``window_size``, ``num_sink_tokens``, ``window_gate``, ``window_gate_init``, ``chunk_size``); any other
-    AarenConfig argument given here overrides the value taken from the teacher.
+    AarenConfig argument given here overrides the value taken from the teacher. A learned memory's
+    ``memory_recency``, unless given, comes from the teacher's context length (:data:`RECENCY_SCORE_SPAN`).
     """
     cfg = _config_of(teacher_config)
     adapter = get_adapter(cfg)
@@ -619,7 +629,11 @@ def aaren_config_from_teacher(teacher_config, **options) -> AarenConfig:
     )
     kwargs.update(adapter.config_kwargs(cfg))
     kwargs.update(options)
-    return AarenConfig(**kwargs)
+    config = AarenConfig(**kwargs)
+    context = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+    if "memory_recency" not in options and config.max_memory_size > 0 and config.memory_rule == "learned" and context:
+        config.memory_recency = RECENCY_SCORE_SPAN / context
+    return config
 
 
 def layer_types_for(convert_layers: str | None, num_layers: int, teacher_types: list[str] | None = None) -> list[str]:

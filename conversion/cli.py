@@ -141,6 +141,10 @@ def convert_parser() -> argparse.ArgumentParser:
     g.add_argument("--memory-rule", choices=("learned", "aaren"),
                    help="what the memory keeps: a retention score fitted to the teacher's attention, or the Aaren "
                         "queries' scores")
+    g.add_argument("--memory-recency", type=_float(0, 1, low_open=False), metavar="LAMBDA",
+                   help="what a token's position adds to its learned retention score, so that old keys leave the "
+                        "memory (0: none). Default: RECENCY_SCORE_SPAN (4) / the teacher's context length, which "
+                        "keeps kept keys within the distances the teacher saw (SmolLM2: 0.00049)")
     g.add_argument("--kv-cache-dtype", choices=("bfloat16", "float16", "model"),
                    help="the dtype the window, sink and memory keys/values are stored (and computed) in; 'model': "
                         "the model's own dtype. The Aaren state stays float32")
@@ -267,8 +271,8 @@ def options_from_args(args, parser):
     else:
         opts = ConvertOptions()
     mixer = {k: getattr(args, k) for k in ("num_query_slots", "decay", "window_size", "num_sink_tokens", "window_gate",
-                                           "memory_size", "memory_rule", "memory_shared_layer", "kv_cache_dtype",
-                                           "memory_bits", "convert_layers")
+                                           "memory_size", "memory_rule", "memory_recency", "memory_shared_layer",
+                                           "kv_cache_dtype", "memory_bits", "convert_layers")
              if getattr(args, k) is not None}
     if mixer.get("kv_cache_dtype") == "model":
         mixer["kv_cache_dtype"] = None
@@ -506,6 +510,10 @@ def run_recipes(argv: list[str]) -> int:
         if getattr(r, "license", None):
             print(f"  {'':14s} teacher licence: {r.license}")
         print()
+    from .adapters import RECENCY_SCORE_SPAN
+
+    print(f"A learned memory's memory_recency, unless a recipe or --memory-recency gives it: {RECENCY_SCORE_SPAN:g} / "
+          f"the teacher's context length (kept keys stay within the distances the teacher saw).")
     return 0
 
 

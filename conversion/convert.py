@@ -813,7 +813,8 @@ def _load_inputs(teacher_id: str, opts: ConvertOptions, accelerator, say) -> _In
         f"{opts.seq_len} tokens ({data_info.get('documents')} documents, held out by document)")
 
     student = build_student(teacher, opts.mixer)
-    say(f"student: {json.dumps(opts.mixer)}; "
+    recency = student.config.memory_recency
+    say(f"student: {json.dumps(opts.mixer)}; " + (f"memory_recency {recency:.3g}; " if recency else "") +
         f"{sum(p.numel() for p in student.parameters()) / 1e6:.1f}M parameters")
     from .adapters import unchanged_layers
 

@@ -79,7 +79,7 @@ def fit_retention(mixer, x: torch.Tensor, attn: torch.Tensor, ridge: float = 1e-
 
 @torch.no_grad()
 def rule_scores(mixer, x: torch.Tensor, rule: str) -> torch.Tensor:
-    """[B, T, Hkv] retention scores of a rule for the mixer's input x: "learned" (retention_proj), "aaren" (the
+    """[B, T, Hkv] retention scores of a rule for the mixer's input x: "learned" (the model's), "aaren" (the
     learned queries' highest score), "recent" (all equal: the memory extends the window), "random"."""
     B, T, _ = x.shape
     Hkv = mixer.num_kv_heads
@@ -88,8 +88,8 @@ def rule_scores(mixer, x: torch.Tensor, rule: str) -> torch.Tensor:
     if rule == "random":
         return torch.rand(B, T, Hkv, generator=torch.Generator().manual_seed(0))
     x = x.to(mixer.k_proj.weight.dtype)
-    if rule == "learned":
-        return mixer.retention_proj(x).float()
+    if rule == "learned":  # with the mixer's recency, at the positions of a window that starts the sequence
+        return mixer.learned_retention(x, torch.arange(T).expand(B, T)).float()
     return mixer.slot_scores(mixer.keys(x)).view(B, T, Hkv, -1).amax(-1)
 
 

@@ -118,6 +118,22 @@ def test_config_mapping(teacher):
         aaren_config_from_teacher(teacher.config, num_querry_slots=2)
 
 
+def test_a_learned_memory_forgets_at_the_teachers_context_length(teacher):
+    """A learned memory's recency comes from the teacher's context (its position table for GPT-2): a key scored
+    RECENCY_SCORE_SPAN above a newer token leaves once it is a context length old. Given, it wins (0 too); other
+    rules and a model without a memory get none (the config would refuse recency on the aaren rule)."""
+    from aaren_hf.conversion.adapters import RECENCY_SCORE_SPAN
+
+    memory = dict(MIXER, memory_size=4, memory_rule="learned")
+    context = getattr(teacher.config, "max_position_embeddings", None) or teacher.config.n_positions
+    assert context == 128
+    assert aaren_config_from_teacher(teacher.config, **memory).memory_recency == RECENCY_SCORE_SPAN / 128
+    assert aaren_config_from_teacher(teacher.config, **memory, memory_recency=0.25).memory_recency == 0.25
+    assert aaren_config_from_teacher(teacher.config, **memory, memory_recency=0).memory_recency == 0.0
+    assert aaren_config_from_teacher(teacher.config, **dict(memory, memory_rule="aaren")).memory_recency == 0.0
+    assert aaren_config_from_teacher(teacher.config, **MIXER).memory_recency == 0.0
+
+
 def test_unsupported_teacher():
     from transformers import BertConfig
 

@@ -531,6 +531,20 @@ def test_cli_kv_cache_dtype():
         parser.parse_args(["--recipe", "smollm2-135m", "--kv-cache-dtype", "int8"])
 
 
+def test_cli_memory_recency():
+    """--memory-recency reaches the mixer (0 too, which switches the teacher-derived default off); unset, the recipe
+    leaves it to the teacher's context; negative or not a number is refused."""
+    from aaren_hf.conversion.cli import convert_parser, options_from_args
+
+    parser = convert_parser()
+    for extra, want in (([], None), (["--memory-recency", "0.001"], 0.001), (["--memory-recency", "0"], 0.0)):
+        mixer = options_from_args(parser.parse_args(["--recipe", "smollm2-135m", *extra]), parser).mixer
+        assert mixer.get("memory_recency") == want, extra
+    for bad in ("-0.1", "nan", "lots"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--recipe", "smollm2-135m", "--memory-recency", bad])
+
+
 def test_cli_memory_bits():
     """The recipe keeps the memory as 4-bit codes; --memory-bits 8 widens them, 16 stores them like the window; a
     model without a memory ignores the setting."""

@@ -185,7 +185,7 @@ def test_recall_vs_memory_script_on_a_converted_folder(tiny, tmp_path, monkeypat
     monkeypatch.chdir(tmp_path / "out")
     monkeypatch.setattr(sys, "argv", ["recall_vs_memory.py", "--model", str(out), "--memory-sizes", "0,4",
                                       "--distances", "16", "--trials", "2", "--perplexity", "1", "--long-seq-len",
-                                      "96", "--json", str(tmp_path / "recall.json")])
+                                      "96", "--ranks", "--json", str(tmp_path / "recall.json")])
     script.main()
     result = json.loads((tmp_path / "recall.json").read_text())
     rows = [(r["name"], r["memory"]) for r in result["rows"]]
@@ -194,7 +194,13 @@ def test_recall_vs_memory_script_on_a_converted_folder(tiny, tmp_path, monkeypat
     assert all(len(r["accuracy"]) == 1 and 0 <= r["accuracy"][0] <= 1 for r in result["rows"])
     assert [c["memory"] for c in result["perplexity"]] == [0, 4]
     assert all(c["ppl"] > 1 and c["streaming_ppl"] > 1 for c in result["perplexity"])
-    assert "| student | 4 |" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "| student | 4 |" in printed
+    # --ranks: each memory layer's rank of the key among the tokens beyond the window, which the key (letters and
+    # digits at 16 tokens back, past the window of 8) has left: at least 0, at most the candidates' count
+    ranks = result["ranks"]["16"]
+    assert ranks and all(0 <= r < 96 for r in ranks), ranks
+    assert "| 0 | 4 |" in printed
     monkeypatch.setattr(sys, "argv", ["recall_vs_memory.py", "--model", str(tmp_path), "--trials", "1"])
     with pytest.raises(SystemExit) as exit_:
         script.main()
