@@ -112,9 +112,11 @@ def parse_args(argv=None):
     parser.add_argument("--kv-bytes", type=int, default=2, help="bytes per teacher KV value (2: bf16/fp16)")
     parser.add_argument("--trust-remote-code", action="store_true", help="load without importing aaren_hf")
     parser.add_argument("--memory-recency", type=float, default=None,
-                        help="load the model with this memory_recency (e.g. 0.0005): without it a converted model's "
-                             "memory ends up reading keys farther back than its teacher ever attended, and its "
-                             "output past the teacher's context is noise (README, Limits)")
+                        help="load the model with this memory_recency (default: its own; a conversion sets 4 / the "
+                             "teacher's context length). Give 0.0005 to a SmolLM2 student converted before that "
+                             "default (its config says 0.0): without it the memory ends up reading keys farther back "
+                             "than the teacher ever attended, and the output past the teacher's context is noise "
+                             "(README, Limits)")
     parser.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
