@@ -122,6 +122,9 @@ def _student_summary(cfg: dict) -> str:
         if cfg.get("memory_shared_layer") is not None:
             parts.append(f"the layers after layer {cfg['memory_shared_layer']} also keep in their memory what its "
                          "retention score ranks high")
+        if memory and cfg.get("memory_recency"):
+            parts.append(f"a newer token outranks a kept one unless that scores {cfg['memory_recency']:.3g} x their "
+                         "distance higher (memory_recency: old keys leave, as the teacher never attended that far)")
         stored = cfg.get('kv_cache_dtype') or 'the model dtype'
         if memory and cfg.get("memory_bits"):
             rotated = " of their Hadamard rotation" if cfg.get("memory_hadamard") else ""

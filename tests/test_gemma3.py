@@ -460,3 +460,8 @@ def test_gemma3_recipe(teacher, monkeypatch):
     assert "license: gemma" in card and "Gemma Terms of Use" in card and "not an OSI" in card
     assert "local sliding-window layers are kept" in card and "layers [0, 1, 3, 4] kept" in card
     assert "exact memory of 32 tokens per key/value head" in card and "stored in the model dtype" in card
+    # the memory forgets by age, from the teacher's context, and the card says so
+    from aaren_hf.conversion.adapters import RECENCY_SCORE_SPAN
+
+    assert cfg.memory_recency == RECENCY_SCORE_SPAN / teacher.config.max_position_embeddings > 0
+    assert f"unless that scores {cfg.memory_recency:.3g} x their distance higher" in card
