@@ -62,7 +62,7 @@ class AarenConfig(PreTrainedConfig):
             its best tokens from anywhere in the stream, and read at true positions they end up farther back than
             the teacher ever attended (SmolLM2-135M: 8,192 tokens), where its loss jumps from 2.8 to 7.5 at 16K
             tokens; 0.0005 keeps it at 2.76 to 32K, at the cost of a passkey in ten at 2,048 tokens (README,
-            "Limits"). Needs memory_rule="learned".
+            "Limits"). A conversion sets 4 / the teacher's context length. Needs memory_rule="learned".
         kv_cache_dtype (`str`, None): the dtype the window, sink and memory keys/values are stored in ("bfloat16" or
             "float16"; None: the model's dtype, like a KV cache). The window branch rounds its keys and values to it
             in training and prefill too, so every path computes on the numbers the cache holds; the Aaren state,

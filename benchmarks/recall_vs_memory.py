@@ -32,7 +32,9 @@ counted in the student's dtype).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import time
 from pathlib import Path
 
@@ -68,6 +70,20 @@ def _learned_retention_teacher(teacher, student_dir: Path, mixer: dict, memory: 
     return model
 
 
+@contextlib.contextmanager
+def torch_backend():
+    """The model on its PyTorch reference path (``AAREN_BACKEND=torch``, read at every call) for the block."""
+    before = os.environ.get("AAREN_BACKEND")
+    os.environ["AAREN_BACKEND"] = "torch"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["AAREN_BACKEND"]
+        else:
+            os.environ["AAREN_BACKEND"] = before
+
+
 @torch.no_grad()
 def key_ranks(model, tokenizer, filler: list, distances: list, trials: int, seed: int) -> dict:
     """{distance: [median rank per layer]}: the retention rank of the key's worst-placed letter/digit token at the
@@ -93,7 +109,6 @@ def key_ranks(model, tokenizer, filler: list, distances: list, trials: int, seed
                 scores[i] = rank(score, shared)  # what the memory ranks by: recency, grid and sharing included
                 return scores[i]
             mixer.ranking_score = record  # this instance only: the model is discarded after the benchmark
-    model.requires_grad_(False)
     out = {}
     for distance in distances:
         ranks = {i: [] for i, mixer in enumerate(mixers) if mixer.memory_size > 0}
@@ -102,7 +117,7 @@ def key_ranks(model, tokenizer, filler: list, distances: list, trials: int, seed
         for (seq, n_context, _), (_, before_key, key_ids, _, _) in zip(built, drawn):
             start = len(intro) + len(before_key)
             key = [start + j for j, t in enumerate(key_ids) if any(c.isalnum() for c in tokenizer.decode([t]))]
-            with torch.enable_grad():  # the PyTorch path, which ranks through ranking_score (the C kernel ranks inside)
+            with torch_backend():  # the PyTorch path ranks through ranking_score; the C and Triton kernels inside
                 model(input_ids=torch.tensor([seq[:n_context]]), use_cache=False, logits_to_keep=1)
             for i, score in scores.items():
                 mixer = mixers[i]
